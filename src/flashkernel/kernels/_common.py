@@ -1,0 +1,32 @@
+"""Helpers shared by the kernel families: interpreter detection and dtype plumbing."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+
+def is_interpreted(kernel) -> bool:
+    """True when ``kernel`` was built by Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def dot_flags(dtype: torch.dtype, interpreted: bool) -> dict:
+    """Constexprs that choose how ``tl.dot`` runs for ``dtype``.
+
+    * ``DOT_F32``: upcast operands to fp32 before ``tl.dot``. Only in the interpreter and only
+      for bf16, whose ``tl.dot`` returns garbage there (triton 3.6); GPU builds never set it.
+    * ``DOT_PRECISION``: fp32 inputs use exact fp32 ("ieee") products, so fp32 results are as
+      accurate as PyTorch's fp32 path; fp16/bf16 ignore it.
+    """
+    upcast = interpreted and dtype == torch.bfloat16
+    return {
+        "DOT_F32": upcast,
+        "DOT_PRECISION": "ieee" if (upcast or dtype == torch.float32) else "tf32",
+    }
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Tile width along head_dim: ``tl.arange`` needs a power of two (>= 16 for ``tl.dot``)."""
+    return max(16, triton.next_power_of_2(head_dim))

@@ -1,0 +1,142 @@
+"""Bad input raises a clear ValueError / TypeError, naming the value, before any launch."""
+
+import math
+
+import pytest
+import torch
+
+import flashkernel
+from flashkernel import interface
+from helpers import DEVICE, ON_GPU
+
+FUNCS = [flashkernel.flash_attn_func, flashkernel.standard_attention]
+
+
+def qkv(q_shape=(1, 8, 4, 64), kv_shape=(1, 8, 2, 64), dtype=torch.float16, device=DEVICE):
+    return (
+        torch.randn(q_shape, device=device).to(dtype),
+        torch.randn(kv_shape, device=device).to(dtype),
+        torch.randn(kv_shape, device=device).to(dtype),
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("kernel launched despite bad input")
+
+    monkeypatch.setattr(interface.prefill, "attention_forward", fail)
+    monkeypatch.setattr(interface.naive, "standard_attention", fail)
+
+
+def raises(exc, match, func, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_wrong_rank(func):
+    q, k, v = qkv()
+    raises(ValueError, r"q must have 4 dimensions .* got 3 with shape \(8, 4, 64\)", func, q[0], k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_not_a_tensor(func):
+    q, k, v = qkv()
+    raises(TypeError, "k must be a torch.Tensor, got list", func, q, [1, 2], v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_mismatched_batch(func):
+    q, k, v = qkv(kv_shape=(3, 8, 2, 64))
+    raises(ValueError, "k has batch 3 but q has batch 1", func, q, k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_mismatched_head_dim(func):
+    q, k, v = qkv(kv_shape=(1, 8, 2, 32))
+    raises(ValueError, "k has head_dim 32 but q has head_dim 64", func, q, k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_mismatched_k_v(func):
+    q, k, _ = qkv()
+    v = torch.randn(1, 9, 2, 64, device=DEVICE).half()
+    raises(ValueError, r"k has shape \(1, 8, 2, 64\) and v has shape \(1, 9, 2, 64\)", func, q, k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_mismatched_dtype(func):
+    q, k, v = qkv()
+    raises(TypeError, "v has dtype bfloat16 but q has float16", func, q, k, v.bfloat16())
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_unsupported_dtype(func):
+    q, k, v = qkv(dtype=torch.float64)
+    raises(TypeError, "q has dtype float64; supported dtypes are float16, bfloat16, float32", func, q, k, v)
+    q, k, v = qkv()
+    raises(TypeError, "has dtype int32", func, q.int(), k.int(), v.int())
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_heads_not_multiple(func):
+    q, k, v = qkv(q_shape=(1, 8, 6, 64), kv_shape=(1, 8, 4, 64))
+    raises(ValueError, "k has 4 heads and q has 6: the number of query heads must be a positive multiple", func, q, k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+@pytest.mark.parametrize("head_dim", [4, 36, 264, 512])
+def test_unsupported_head_dim(func, head_dim):
+    q, k, v = qkv(q_shape=(1, 8, 2, head_dim), kv_shape=(1, 8, 2, head_dim))
+    raises(ValueError, f"q has head_dim {head_dim}; supported head dims are multiples of 8 from 8 to 256", func, q, k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_last_dim_not_contiguous(func):
+    q, k, v = qkv()
+    k_strided = torch.randn(1, 8, 2, 128, device=DEVICE).half()[..., ::2]
+    raises(ValueError, "k has stride 2 in its last .* call .contiguous", func, q, k_strided, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_mismatched_device(func):
+    if not ON_GPU:
+        pytest.skip("needs a second device type")
+    q, k, v = qkv()
+    raises(ValueError, "v is on cpu but q is on cuda", func, q, k, v.cpu())
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_cpu_tensors_outside_interpreter(func, monkeypatch):
+    monkeypatch.setattr(interface, "kernels_interpreted", lambda: False)
+    q, k, v = qkv(device="cpu")
+    raises(ValueError, "q is on the CPU: .* TRITON_INTERPRET=1", func, q, k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
+def test_bad_softmax_scale_value(func, scale):
+    q, k, v = qkv()
+    raises(ValueError, f"softmax_scale must be finite and positive, got {scale}", func, q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_bad_softmax_scale_type(func):
+    q, k, v = qkv()
+    raises(TypeError, "softmax_scale must be a real number or None, got str '0.1'", func, q, k, v, softmax_scale="0.1")
+    raises(TypeError, "got Tensor", func, q, k, v, softmax_scale=torch.tensor(0.1))
+
+
+@pytest.mark.parametrize("func", FUNCS)
+def test_bad_causal_flag(func):
+    q, k, v = qkv()
+    raises(TypeError, "causal must be a bool, got str 'yes'", func, q, k, v, causal="yes")
+
+
+def test_inputs_untouched_by_failed_call():
+    q, k, v = qkv(kv_shape=(1, 8, 3, 64))
+    saved = [t.clone() for t in (q, k, v)]
+    with pytest.raises(ValueError):
+        flashkernel.flash_attn_func(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), saved))
