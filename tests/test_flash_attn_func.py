@@ -7,6 +7,7 @@ import torch
 
 import flashkernel
 from flashkernel import interface
+from flashkernel.kernels import prefill
 from helpers import DEVICE, DTYPES, ON_GPU, assert_output_close, random_qkv
 
 LENGTHS = (1, 17, 127, 129, 1000)
@@ -150,3 +151,27 @@ def test_empty_inputs_return_without_launch(shape, monkeypatch):
 def test_batch_beyond_grid_limit_gpu():
     """Batches larger than the 65535 grid limit are launched in chunks."""
     run_and_check(70000, 3, 5, (1, 1), 16, torch.float16, True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim", [(70, 129, 64), (129, 33, 72)])
+@pytest.mark.parametrize("tma", [False, True])
+def test_tile_load_paths(seqlen_q, seqlen_k, head_dim, causal, tma):
+    """Pointer loads and TMA descriptor loads compute the same function."""
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.float16)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 4, seqlen_q), float("nan"), device=DEVICE)
+    prefill.attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=0.1, force_tma=tma)
+    assert_output_close(out, q, k, v, causal=causal, softmax_scale=0.1, lse=lse)
+
+
+def test_unaligned_tensors():
+    """A view starting 2 bytes into its storage cannot use TMA, even when asked; results stay exact."""
+    flat = torch.randn(3 * 40 * 2 * 64 + 1, dtype=torch.float16, device=DEVICE)
+    q = flat[1:].view(3, 40, 2, 64)
+    k = torch.randn(3, 51, 1, 64, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(3, 51, 1, 64, dtype=torch.float16, device=DEVICE)
+    assert not prefill.tma_compatible(q)
+    out = torch.full_like(q, float("nan"))
+    prefill.attention_forward(q, k, v, out, None, causal=True, softmax_scale=0.125, force_tma=True)
+    assert_output_close(out, q, k, v, causal=True)

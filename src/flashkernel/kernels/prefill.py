@@ -32,12 +32,13 @@ class TileConfig:
     num_stages: int
 
 
-# Tuned on an H200 (bf16/fp16); keyed by padded head dim. See docs/perf-notes.md.
+# Tuned on an H200 (bf16, pointer path; benchmarks/prefill.py --sweep-configs), keyed by the
+# padded head dim. See docs/perf-notes.md for the sweep and the runners-up.
 HOPPER_TABLE = {
-    16: TileConfig(128, 64, 4, 3),
-    32: TileConfig(128, 64, 4, 3),
-    64: TileConfig(128, 64, 4, 3),
-    128: TileConfig(128, 64, 8, 3),
+    16: TileConfig(128, 64, 8, 3),
+    32: TileConfig(128, 64, 8, 3),
+    64: TileConfig(128, 64, 8, 3),
+    128: TileConfig(128, 128, 8, 3),
     256: TileConfig(128, 64, 8, 2),
 }
 INTERPRETER_CONFIG = TileConfig(32, 32, 4, 1)
@@ -56,37 +57,54 @@ def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool) -> TileCon
 
 
 @triton.jit
+def _load_tile(src, row0, num_rows, stride_row, offs_r, offs_d,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               USE_TMA: tl.constexpr, ROW_MASK: tl.constexpr):
+    """Rows ``row0 + offs_r`` of a ``[num_rows, HEAD_DIM]`` matrix, zero outside it.
+
+    ``src`` is a tensor descriptor (TMA: the hardware zero-fills out-of-bounds rows and the
+    head-dim padding) or the matrix's base pointer (offsets rebuilt here, in int64, so no 2-D
+    pointer tensor is carried through the key loop).
+    """
+    # Branches are if/else, not early returns: Triton would still build the code after a return.
+    if USE_TMA:
+        tile = src.load([row0, 0])
+    else:
+        rows = row0 + offs_r
+        ptrs = src + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :]
+        if ROW_MASK:
+            mask = rows[:, None] < num_rows
+            if BLOCK_D != HEAD_DIM:
+                mask = mask & (offs_d[None, :] < HEAD_DIM)
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, k_tile_ptrs, v_tile_ptrs, start_n, offs_m, offs_n, offs_d,
-    seqlen_k, causal_shift, qk_scale,
+    acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d,
+    seqlen_k, stride_ks, stride_vs, causal_shift, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the key/value tile starting at ``start_n``.
 
     ``m_i`` holds the running row max of the scores in log2 units (already scaled).
     With ``MASKED`` the tile may hold keys past ``seqlen_k`` or above the causal diagonal.
     """
-    keys = start_n + offs_n
-    if MASKED:
-        kv_mask = keys[:, None] < seqlen_k
-        if BLOCK_D != HEAD_DIM:
-            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_tile_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_tile_ptrs, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        d_mask = offs_d[None, :] < HEAD_DIM
-        k = tl.load(k_tile_ptrs, mask=d_mask, other=0.0)
-        v = tl.load(v_tile_ptrs, mask=d_mask, other=0.0)
-    else:
-        k = tl.load(k_tile_ptrs)
-        v = tl.load(v_tile_ptrs)
+    k = _load_tile(k_src, start_n, seqlen_k, stride_ks, offs_n, offs_d, HEAD_DIM, BLOCK_D, USE_TMA, MASKED)
+    v = _load_tile(v_src, start_n, seqlen_k, stride_vs, offs_n, offs_d, HEAD_DIM, BLOCK_D, USE_TMA, MASKED)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
+        keys = start_n + offs_n
         visible = keys[None, :] < seqlen_k
         if CAUSAL:
             visible = visible & (keys[None, :] <= offs_m[:, None] + causal_shift)
@@ -105,7 +123,8 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Lengths change every call in serving; specializing on them (==1, %16) would recompile per length.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _attention_fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qs, stride_qh,
@@ -116,7 +135,7 @@ def _attention_fwd_kernel(
     seqlen_q, seqlen_k, group_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     num_m_tiles = tl.cdiv(seqlen_q, BLOCK_M)
@@ -129,25 +148,30 @@ def _attention_fwd_kernel(
     kv_head = (head // group_size).to(tl.int64)
     head = head.to(tl.int64)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first_row = pid_m * BLOCK_M
+    offs_m = first_row + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     causal_shift = seqlen_k - seqlen_q  # query i sees keys j <= i + causal_shift
 
-    q_ptrs = (Q + batch * stride_qb + head * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :])
-    q_mask = offs_m[:, None] < seqlen_q
-    if BLOCK_D != HEAD_DIM:
-        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q_base = Q + batch * stride_qb + head * stride_qh
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    o_base = Out + batch * stride_ob + head * stride_oh
+    if USE_TMA:
+        q_src = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qs, 1], [BLOCK_M, BLOCK_D])
+        k_src = tl.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, BLOCK_D])
+    else:
+        q_src = q_base
+        k_src = k_base
+        v_src = v_base
+    q = _load_tile(q_src, first_row, seqlen_q, stride_qs, tl.arange(0, BLOCK_M), offs_d,
+                   HEAD_DIM, BLOCK_D, USE_TMA, True)
     if DOT_F32:
         q = q.to(tl.float32)
 
-    k_ptrs = K + batch * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + batch * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
-
     # Key range of this tile: [0, end) is visited, [0, full_end) needs no mask at all.
-    first_row = pid_m * BLOCK_M
     if CAUSAL:
         end = tl.minimum(seqlen_k, first_row + BLOCK_M + causal_shift)
         full_end = tl.minimum(seqlen_k, first_row + 1 + causal_shift)
@@ -160,36 +184,57 @@ def _attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    # Pointers advance tile by tile (64-bit pointer arithmetic, no int32 overflow); the masked
-    # loop starts where the unmasked one stopped.
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs,
-            start_n, offs_m, offs_n, offs_d, seqlen_k, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, False, CAUSAL, DOT_F32, DOT_PRECISION,
+            acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d,
+            seqlen_k, stride_ks, stride_vs, causal_shift, qk_scale,
+            HEAD_DIM, BLOCK_D, False, CAUSAL, USE_TMA, DOT_F32, DOT_PRECISION,
         )
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
     for start_n in range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs,
-            start_n, offs_m, offs_n, offs_d, seqlen_k, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, True, CAUSAL, DOT_F32, DOT_PRECISION,
+            acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d,
+            seqlen_k, stride_ks, stride_vs, causal_shift, qk_scale,
+            HEAD_DIM, BLOCK_D, True, CAUSAL, USE_TMA, DOT_F32, DOT_PRECISION,
         )
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
 
     # Rows that saw no key have l = 0 and acc = 0: output 0, LSE -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    o_ptrs = (Out + batch * stride_ob + head * stride_oh
-              + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
+    out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, [seqlen_q, HEAD_DIM], [stride_os, 1], [BLOCK_M, BLOCK_D])
+        o_desc.store([first_row, 0], out)  # rows past seqlen_q and the head-dim padding are clipped
+    else:
+        o_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :]
+        o_mask = offs_m[:, None] < seqlen_q
+        if BLOCK_D != HEAD_DIM:
+            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_ptrs, out, mask=o_mask)
     if WRITE_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
         lse_ptrs = Lse + batch * stride_lb + head * stride_lh + offs_m
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+
+
+def _scratch_allocator(size: int, alignment: int, stream):
+    """Global scratch for in-kernel TMA descriptors (128 bytes per descriptor per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and strides (the last dim contiguous)."""
+    for x in tensors:
+        if x.data_ptr() % 16:
+            return False
+        if any((stride * x.element_size()) % 16 for stride in x.stride()[:-1]):
+            return False
+    return True
+
+
+def use_tma(q, k, v, out, interpreted: bool) -> bool:
+    """Whether to stream tiles through TMA descriptors. Off by default: on the H200 with
+    triton 3.6 the descriptor variant does not compile yet (docs/perf-notes.md), and the pointer
+    path is the measured one. ``force_tma=True`` opts in where the tensors allow it."""
+    return False
 
 
 def attention_forward(
@@ -202,23 +247,30 @@ def attention_forward(
     causal: bool,
     softmax_scale: float,
     config: TileConfig | None = None,
-) -> None:
+    force_tma: bool | None = None,
+):
     """Launch the fused forward into ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (or None).
 
     Inputs are validated by the caller; batch, seqlen_q and seqlen_k are all >= 1.
+    ``config`` and ``force_tma`` override the tuned choice (benchmarks and tests use them).
+    Returns the compiled kernel of the last launch (for resource reports).
     """
     batch, seqlen_q, num_q_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     interpreted = is_interpreted(_attention_fwd_kernel)
     if config is None:
         config = pick_config(head_dim, q.dtype, interpreted)
+    tma = use_tma(q, k, v, out, interpreted) if force_tma is None else force_tma
+    tma = tma and tma_compatible(q, k, v, out)
+    if tma and not interpreted:
+        triton.set_allocator(_scratch_allocator)
     lse_arg = lse if lse is not None else out  # unused pointer when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     # Grid axes 1 and 2 are limited to 65535: launch large batches in chunks.
     for b0 in range(0, batch, MAX_GRID_YZ):
         b1 = min(batch, b0 + MAX_GRID_YZ)
         grid = (triton.cdiv(seqlen_q, config.block_m), num_q_heads, b1 - b0)
-        _attention_fwd_kernel[grid](
+        compiled = _attention_fwd_kernel[grid](
             q[b0:b1], k[b0:b1], v[b0:b1], out[b0:b1],
             lse_arg[b0:b1],
             q.stride(0), q.stride(1), q.stride(2),
@@ -229,7 +281,8 @@ def attention_forward(
             seqlen_q, seqlen_k, num_q_heads // num_kv_heads, softmax_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            CAUSAL=causal, WRITE_LSE=lse is not None,
+            CAUSAL=causal, WRITE_LSE=lse is not None, USE_TMA=tma,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **dot_flags(q.dtype, interpreted),
         )
+    return compiled
