@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -205,12 +206,34 @@ def run_sweep(args) -> list[dict]:
     return rows
 
 
+def markdown_table(path: str) -> str:
+    """The README's table, generated from a committed result file."""
+    with open(path) as f:
+        data = json.load(f)
+    env = data["environment"]
+    lines = [f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, bf16, TFLOP/s (median)", "",
+             "| head dim | mask | seqlen | flashkernel | FA2 (SDPA) | cuDNN (SDPA) | standard | x FA2 | x cuDNN | standard peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        t = {name: row.get(name, {}).get("tflops") for name in PROVIDERS}
+        cell = lambda x: f"{x:.0f}" if x else "-"
+        ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"
+        lines.append(
+            f"| {row['head_dim']} | {'causal' if row['causal'] else 'none'} | {row['seqlen']} "
+            f"| {cell(t['flashkernel'])} | {cell(t['sdpa_flash'])} | {cell(t['sdpa_cudnn'])} "
+            f"| {cell(t['standard'])} | {ratio(t['flashkernel'], t['sdpa_flash'])} "
+            f"| {ratio(t['flashkernel'], t['sdpa_cudnn'])} | {row.get('standard', {}).get('peak_mb', 0):.0f} |")
+    return "\n".join(lines)
+
+
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
+    if len(commit) != 40:  # the GPU machine gets a copy without .git: the caller passes the commit
+        commit = os.environ.get("FLASHKERNEL_GIT_COMMIT", "unknown")
     return {
         "gpu": props.name, "sm_count": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
@@ -230,7 +253,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-configs", action="store_true")
     parser.add_argument("--tma", type=int, nargs="+", default=[1], help="with --sweep-configs: 1, 0 or both")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--markdown", metavar="JSON", help="print the README table of a result file")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_table(args.markdown))
+        return 0
     args.dtype = getattr(torch, args.dtype)
     args.tma = [bool(t) for t in args.tma]
     rows = run_sweep(args) if args.sweep_configs else run_compare(args)

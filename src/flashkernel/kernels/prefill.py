@@ -32,28 +32,37 @@ class TileConfig:
     num_stages: int
 
 
-# Tuned on an H200 (bf16, pointer path; benchmarks/prefill.py --sweep-configs), keyed by the
-# padded head dim. See docs/perf-notes.md for the sweep and the runners-up.
-HOPPER_TABLE = {
+# Tuned on an H200 (bf16; benchmarks/prefill.py --sweep-configs --tma 1 0), keyed by the padded
+# head dim, one table per way of loading tiles. See docs/perf-notes.md for the sweeps.
+POINTER_TABLE = {
     16: TileConfig(128, 64, 8, 3),
     32: TileConfig(128, 64, 8, 3),
     64: TileConfig(128, 64, 8, 3),
     128: TileConfig(128, 128, 8, 3),
     256: TileConfig(128, 64, 8, 2),
 }
+TMA_TABLE = {
+    16: TileConfig(128, 64, 4, 3),
+    32: TileConfig(128, 64, 4, 3),
+    64: TileConfig(128, 64, 4, 3),
+    128: TileConfig(128, 128, 8, 3),
+    256: TileConfig(128, 64, 8, 2),
+}
+# Below this many keys the per-program descriptor setup costs more than TMA saves (1k: -6%,
+# 16k: +8% at head dim 128 on the H200).
+TMA_MIN_SEQLEN_K = 4096
 INTERPRETER_CONFIG = TileConfig(32, 32, 4, 1)
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool) -> TileConfig:
+def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, tma: bool) -> TileConfig:
     """Tile shape and launch parameters for one call (no autotuning on the hot path)."""
     if interpreted:
         return INTERPRETER_CONFIG
     block_d = padded_head_dim(head_dim)
-    config = HOPPER_TABLE[block_d]
     if dtype == torch.float32:
         # fp32 tiles are twice as large in shared memory and use exact fp32 products.
         return TileConfig(64, 32, 4, 2 if block_d <= 128 else 1)
-    return config
+    return (TMA_TABLE if tma else POINTER_TABLE)[block_d]
 
 
 @triton.jit
@@ -231,10 +240,11 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 
 def use_tma(q, k, v, out, interpreted: bool) -> bool:
-    """Whether to stream tiles through TMA descriptors. Off by default: on the H200 with
-    triton 3.6 the descriptor variant does not compile yet (docs/perf-notes.md), and the pointer
-    path is the measured one. ``force_tma=True`` opts in where the tensors allow it."""
-    return False
+    """Stream tiles through TMA descriptors on Hopper when the tensors allow it and the key
+    sequence is long enough to amortize building the descriptors in every program."""
+    if interpreted or q.dtype == torch.float32 or k.shape[1] < TMA_MIN_SEQLEN_K:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] >= 9 and tma_compatible(q, k, v, out)
 
 
 def attention_forward(
@@ -258,10 +268,10 @@ def attention_forward(
     batch, seqlen_q, num_q_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     interpreted = is_interpreted(_attention_fwd_kernel)
-    if config is None:
-        config = pick_config(head_dim, q.dtype, interpreted)
     tma = use_tma(q, k, v, out, interpreted) if force_tma is None else force_tma
     tma = tma and tma_compatible(q, k, v, out)
+    if config is None:
+        config = pick_config(head_dim, q.dtype, interpreted, tma)
     if tma and not interpreted:
         triton.set_allocator(_scratch_allocator)
     lse_arg = lse if lse is not None else out  # unused pointer when WRITE_LSE is False
