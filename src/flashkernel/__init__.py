@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "flash_attn_func": "interface",
     "standard_attention": "interface",
+    "flash_attn_with_kvcache": "interface",
+    "KVCache": "kvcache",
     "reference": None,
 }
 

@@ -152,3 +152,176 @@ def check_qkv(q, k, v, interpreted: bool) -> None:
     check_kv_heads(num_q_heads, k.shape[2])
     for name, x in named:
         check_last_dim_contiguous(name, x)
+
+
+# --- flash_attn_with_kvcache -----------------------------------------------------------------
+
+MAX_PAGE_SIZE = 256
+MAX_NUM_SPLITS = 256
+
+
+def check_int32_vector(name: str, x, length: int, what: str) -> None:
+    """``x`` must be an int32 tensor of shape ``[length]``."""
+    check_tensor(name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; it must be int32 (call .int() on it)")
+    if tuple(x.shape) != (length,):
+        raise ValueError(f"{name} must have shape ({length},) ({what}), got {tuple(x.shape)}")
+
+
+def check_page_size(page_size: int) -> None:
+    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(
+            f"k_cache has page size {page_size} (dimension 1 of a paged cache); page sizes must "
+            f"be powers of two from 1 to {MAX_PAGE_SIZE}"
+        )
+
+
+def check_block_table(block_table, batch: int) -> None:
+    check_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32:
+        raise TypeError(
+            f"block_table has dtype {_dtype_name(block_table.dtype)}; it must be int32 "
+            "(call .int() on it)"
+        )
+    check_rank("block_table", block_table, 2, "[batch, max_blocks_per_sequence]")
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but q has batch {batch}")
+
+
+def check_kv_cache_pair(q, k_cache, v_cache, block_table) -> None:
+    """``k_cache, v_cache``: ``[B, S_max, Hkv, D]``, or ``[num_blocks, page_size, Hkv, D]`` when paged."""
+    layout = "[num_blocks, page_size, kv_heads, head_dim]" if block_table is not None else (
+        "[batch, max_seqlen, kv_heads, head_dim]")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_rank(name, x, 4, layout)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache has shape {tuple(k_cache.shape)} and v_cache has shape "
+            f"{tuple(v_cache.shape)}: they must have the same shape"
+        )
+    if k_cache.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"k_cache has head_dim {k_cache.shape[3]} but q has head_dim {q.shape[3]}: "
+            "q and the caches must share one head_dim"
+        )
+    if block_table is None and k_cache.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"k_cache has batch {k_cache.shape[0]} but q has batch {q.shape[0]}: a contiguous "
+            "cache holds one row per sequence (pass block_table for a paged cache)"
+        )
+    if block_table is not None:
+        check_page_size(k_cache.shape[1])
+        if k_cache.shape[0] == 0 and block_table.shape[1] > 0:
+            raise ValueError("k_cache is a paged cache with 0 blocks: the page pool is empty")
+    check_kv_heads(q.shape[2], k_cache.shape[2])
+
+
+def check_new_kv(q, k, v, k_cache) -> None:
+    """New tokens ``k, v [B, Sq_new, Hkv, D]``, given together or not at all."""
+    if (k is None) != (v is None):
+        raise ValueError(
+            f"k and v must be given together (to append them) or both left None; got "
+            f"k={type(k).__name__}, v={type(v).__name__}"
+        )
+    if k is None:
+        return
+    expected = (q.shape[0], q.shape[1], k_cache.shape[2], q.shape[3])
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x)
+        if tuple(x.shape) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}; new keys/values must have shape "
+                f"[batch, seqlen_q, kv_heads, head_dim] = {expected}"
+            )
+
+
+def check_num_splits(num_splits) -> None:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__} {num_splits!r}")
+    if not 0 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(
+            f"num_splits must be from 0 (automatic) to {MAX_NUM_SPLITS}, got {num_splits}"
+        )
+
+
+def check_optional_flag(name: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__} {value!r}")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, interpreted) -> None:
+    """Shapes, dtypes and devices of ``flash_attn_with_kvcache``'s tensors (no data is read)."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, x)
+    check_rank("q", q, 4, "[batch, seqlen_q, heads, head_dim]")
+    batch = q.shape[0]
+    if block_table is not None:
+        check_block_table(block_table, batch)
+    check_kv_cache_pair(q, k_cache, v_cache, block_table)
+    check_new_kv(q, k, v, k_cache)
+    check_int32_vector("cache_seqlens", cache_seqlens, batch, "one length per sequence of q")
+
+    floats = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if k is not None:
+        floats += [("k", k), ("v", v)]
+    for name, x in floats:
+        check_dtype(name, x)
+    check_same_dtype(floats)
+    indices = [("cache_seqlens", cache_seqlens)]
+    if block_table is not None:
+        indices.append(("block_table", block_table))
+    check_same_device(floats + indices)
+    check_device("q", q, interpreted)
+    check_head_dim("q", q.shape[3])
+    for name, x in floats:
+        check_last_dim_contiguous(name, x)
+
+
+def check_cache_capacity(seqlen_new: int, appending: bool, capacity: int, block_table) -> None:
+    """Shape-only capacity check: the new tokens alone must fit."""
+    if appending and seqlen_new > capacity:
+        where = "max_blocks * page_size" if block_table is not None else "k_cache.shape[1]"
+        raise ValueError(
+            f"k has {seqlen_new} new tokens per sequence but the cache holds at most {capacity} "
+            f"tokens per sequence ({where})"
+        )
+
+
+def check_kvcache_values(
+    cache_seqlens, block_table, appended: int, capacity: int, num_blocks: int, page_size: int
+) -> None:
+    """Lengths and block-table entries. Reads tensor data: a device->host copy on GPU.
+
+    Every sequence needs ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + appended <= capacity``;
+    with a block table, the entries of the pages it uses (``ceil(length / page_size)`` per row)
+    must lie in ``[0, num_blocks)``.
+    """
+    seqlens = cache_seqlens.detach().to("cpu", torch.int64)
+    negative = (seqlens < 0).nonzero()
+    if negative.numel():
+        b = int(negative[0, 0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(seqlens[b])} is negative")
+    lengths = seqlens + appended
+    over = (lengths > capacity).nonzero()
+    if over.numel():
+        b = int(over[0, 0])
+        where = "max_blocks * page_size" if block_table is not None else "k_cache.shape[1]"
+        plus = f" plus {appended} new tokens" if appended else ""
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(seqlens[b])}{plus} exceeds the cache capacity of "
+            f"{capacity} tokens per sequence ({where})"
+        )
+    if block_table is None:
+        return
+    table = block_table.detach().to("cpu", torch.int64)
+    pages_used = (lengths + page_size - 1) // page_size
+    used = torch.arange(table.shape[1])[None, :] < pages_used[:, None]
+    bad = (used & ((table < 0) | (table >= num_blocks))).nonzero()
+    if bad.numel():
+        b, i = int(bad[0, 0]), int(bad[0, 1])
+        raise ValueError(
+            f"block_table[{b}, {i}] = {int(table[b, i])} points outside the page pool of "
+            f"{num_blocks} blocks (k_cache.shape[0]); sequence {b} uses its first "
+            f"{int(pages_used[b])} entries"
+        )

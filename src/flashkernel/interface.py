@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _checks
-from .kernels import naive, prefill
+from .kernels import decode, naive, prefill
 from .kernels._common import is_interpreted
 
-__all__ = ["flash_attn_func", "standard_attention"]
+__all__ = ["flash_attn_func", "flash_attn_with_kvcache", "standard_attention"]
 
 MAX_NAIVE_ROWS = 65535  # grid-axis limit of the naive kernels' (batch * heads) axis
 
@@ -134,4 +134,124 @@ def standard_attention(
         out = _empty(q.shape, q.dtype, q.device)
         lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device)
         naive.standard_attention(q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    return (out, lse) if return_lse else out
+
+
+def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                      softmax_scale, num_splits, return_lse, validate) -> float:
+    _checks.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                 kernels_interpreted())
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        _checks.check_flag(name, flag)
+    _checks.check_optional_flag("validate", validate)
+    _checks.check_num_splits(num_splits)
+    geometry = decode.CacheGeometry.of(k_cache, block_table)
+    appended = q.shape[1] if k is not None else 0
+    _checks.check_cache_capacity(q.shape[1], k is not None, geometry.capacity, block_table)
+    if validate or (validate is None and cache_seqlens.device.type == "cpu"):
+        _checks.check_kvcache_values(cache_seqlens, block_table, appended, geometry.capacity,
+                                     geometry.num_blocks, max(geometry.page_size, 1))
+    return _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    validate: bool | None = None,
+):
+    """Decode step: append new keys/values to a KV cache in place, then attend to the cache.
+
+    Args:
+        q: ``[batch, seqlen_q, num_heads, head_dim]``, the new tokens' queries; ``seqlen_q`` is
+            1 for plain decode, more for speculative or chunked tokens.
+        k_cache, v_cache: the cache, in one of two layouts (same shape, same dtype as q):
+
+            * contiguous ``[batch, max_seqlen, num_kv_heads, head_dim]``: sequence ``b``'s
+              token ``j`` is ``k_cache[b, j]``;
+            * paged ``[num_blocks, page_size, num_kv_heads, head_dim]`` with ``block_table``:
+              token ``j`` of sequence ``b`` is ``k_cache[block_table[b, j // page_size],
+              j % page_size]``. ``page_size`` is any power of two from 1 to 256.
+
+            Any strides with a contiguous last dimension. Modified in place when ``k, v`` are
+            given, and only at the slots written (nothing else in the cache changes).
+        k, v: ``[batch, seqlen_q, num_kv_heads, head_dim]`` or None (both or neither): new
+            keys/values, written to positions ``cache_seqlens[b] .. cache_seqlens[b] +
+            seqlen_q - 1`` of sequence ``b`` before attending.
+        cache_seqlens: ``[batch]`` int32, tokens already in each sequence's cache (lengths may
+            differ and may be 0). Not modified: the caller advances it by ``seqlen_q`` after a
+            step that appended (as FlashAttention does). The keys attended are positions
+            ``[0, L)`` with ``L = cache_seqlens[b] + seqlen_q`` when ``k, v`` are given, else
+            ``L = cache_seqlens[b]``.
+        block_table: ``[batch, max_blocks]`` int32 page indices into ``k_cache``'s first
+            dimension, or None for a contiguous cache. Only the first ``ceil(L / page_size)``
+            entries of each row are read.
+        causal: the new tokens attend causally among themselves, aligned to the end of each
+            sequence: query ``t`` sees keys ``j <= L - seqlen_q + t``. With cache_seqlens = 3
+            and two new tokens appended (L = 5), 1 = visible::
+
+                keys ->        0 1 2 3 4
+                new token 0    1 1 1 1 0     (stored at position 3)
+                new token 1    1 1 1 1 1     (stored at position 4)
+
+            Without ``k, v`` and ``L < seqlen_q`` the first ``seqlen_q - L`` queries see no
+            key and return 0 (LSE -inf). With ``causal=False`` every query sees ``[0, L)``.
+        softmax_scale: scale applied to ``q k^T``; default ``1 / sqrt(head_dim)``.
+        num_splits: split each sequence's context over this many programs per (sequence, KV
+            head) and merge the parts exactly by log-sum-exp; 0 (default) picks it from the
+            GPU's SM count and the cache capacity (shapes only). 1 disables splitting.
+        return_lse: also return the log-sum-exp of each row.
+        validate: check that lengths fit the capacity and that the used block-table entries
+            lie in ``[0, num_blocks)``. That reads the tensors, a device-to-host sync on GPU,
+            so ``None`` (default) checks only when they live on the CPU; ``True`` always checks
+            (not inside CUDA-graph capture), ``False`` never. Unchecked bad values give
+            unspecified results but no out-of-bounds memory access (lengths and page indices
+            are clamped; appends that cannot be placed are skipped).
+
+    GQA / MQA: ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV
+    head ``h // (num_heads // num_kv_heads)``. The query heads of one KV head are computed
+    together, so each cache byte is read once per call.
+
+    Returns:
+        ``out [batch, seqlen_q, num_heads, head_dim]`` in q's dtype, and with
+        ``return_lse=True`` also ``lse [batch, num_heads, seqlen_q]`` float32, natural log.
+
+    No host synchronisation and, once warm, no new device memory: the float32 split workspace
+    is cached per device and size bucket (``kernels/decode.workspace``). Run a step eagerly once
+    (same shapes) before capturing it in a CUDA graph; replays then match eager calls. Results
+    are deterministic for fixed inputs and ``num_splits``. Decode calls on one device share the
+    workspace, so do not run them concurrently on different streams.
+
+    Example (a paged cache of 16-token pages; one decode step)::
+
+        >>> cache = KVCache(num_blocks=1024, page_size=16, num_kv_heads=8, head_dim=128,
+        ...                 batch=4, max_blocks_per_seq=64, dtype=torch.bfloat16, device="cuda")
+        >>> cache.reserve(1)                                   # room for one more token each
+        >>> q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        >>> k = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        >>> out = flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages, k=k, v=torch.randn_like(k),
+        ...                               cache_seqlens=cache.cache_seqlens, block_table=cache.block_table)
+        >>> cache.advance(1)                                   # cache_seqlens += 1
+    """
+    scale = _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                              softmax_scale, num_splits, return_lse, validate)
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    if batch == 0 or seqlen_q == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0:
+        out, lse = _empty_results(q, return_lse)
+    else:
+        out = _empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+        lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device) if return_lse else None
+        decode.decode_forward(
+            q, k_cache, v_cache, cache_seqlens, block_table, out, lse, k_new=k, v_new=v,
+            causal=causal, softmax_scale=scale, num_splits=num_splits,
+        )
     return (out, lse) if return_lse else out

@@ -33,7 +33,14 @@ import math
 
 import torch
 
-__all__ = ["attention", "causal_mask", "expand_kv_heads"]
+__all__ = [
+    "append_to_cache",
+    "attention",
+    "attention_with_kvcache",
+    "cache_prefix",
+    "causal_mask",
+    "expand_kv_heads",
+]
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
@@ -96,3 +103,83 @@ def attention(
     probs = torch.where(denom > 0, weights / denom.clamp_min(1e-300), torch.zeros_like(weights))
     out = torch.matmul(probs.to(dtype), vh)
     return out.transpose(1, 2), lse
+
+
+# --- attention over a KV cache (decode) ------------------------------------------------------
+#
+# A cache is contiguous ``[B, S_max, Hkv, D]`` (token j of sequence b at ``cache[b, j]``) or
+# paged ``[num_blocks, page_size, Hkv, D]`` with ``block_table [B, max_blocks]`` (token j of
+# sequence b at ``cache[block_table[b, j // page_size], j % page_size]``).
+#
+# Decode with new tokens ``k, v [B, T, Hkv, D]`` first writes them at positions
+# ``cache_seqlens[b] .. cache_seqlens[b] + T - 1``; then the queries ``q [B, T, Hq, D]`` of
+# sequence b attend to its first ``L = cache_seqlens[b] + T`` tokens (``L = cache_seqlens[b]``
+# without new tokens) exactly as ``attention(q[b], keys[:L], values[:L])`` would: the causal
+# mask is the bottom-right aligned one above, so new token t sees keys ``j <= L - T + t``.
+
+
+def _token_location(b: int, j: int, page_size: int | None, block_table):
+    """Index of token j of sequence b in the cache's first two dimensions."""
+    if block_table is None:
+        return b, j
+    return int(block_table[b, j // page_size]), j % page_size
+
+
+def cache_prefix(cache: torch.Tensor, b: int, length: int, block_table=None) -> torch.Tensor:
+    """The first ``length`` tokens of sequence ``b`` as a dense ``[length, Hkv, D]`` copy."""
+    positions = torch.arange(length, device=cache.device)
+    if block_table is None:
+        return cache[b, positions]
+    page_size = cache.shape[1]
+    blocks = block_table[b].to(device=cache.device, dtype=torch.long)[positions // page_size]
+    return cache[blocks, positions % page_size]
+
+
+def append_to_cache(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, block_table=None) -> torch.Tensor:
+    """A copy of ``cache`` with ``new [B, T, Hkv, D]`` written at ``cache_seqlens[b] + t``."""
+    result = cache.clone()
+    page_size = cache.shape[1] if block_table is not None else None
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            result[_token_location(b, int(cache_seqlens[b]) + t, page_size, block_table)] = new[b, t]
+    return result
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    block_table=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference decode over a cache (see the section comment above); inputs are not modified.
+
+    Returns ``out [B, T, Hq, D]`` and ``lse [B, Hq, T]`` with the dtypes of :func:`attention`.
+    A sequence with no keys gets output 0 and lse -inf.
+    """
+    if k is not None:
+        k_cache = append_to_cache(k_cache, k, cache_seqlens, block_table)
+        v_cache = append_to_cache(v_cache, v, cache_seqlens, block_table)
+    added = q.shape[1] if k is not None else 0
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        length = int(cache_seqlens[b]) + added
+        keys = cache_prefix(k_cache, b, length, block_table)[None]
+        values = cache_prefix(v_cache, b, length, block_table)[None]
+        if length == 0:
+            dtype = torch.float64 if upcast else q.dtype
+            outs.append(torch.zeros(q[b:b + 1].shape, dtype=dtype, device=q.device))
+            lses.append(torch.full((1, q.shape[2], q.shape[1]), float("-inf"),
+                                   dtype=torch.float64 if upcast else torch.float32, device=q.device))
+            continue
+        out, lse = attention(q[b:b + 1], keys, values, causal=causal,
+                             softmax_scale=softmax_scale, upcast=upcast)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

@@ -1,0 +1,618 @@
+"""Decode over a KV cache: a few new query tokens per sequence attend to a long cache.
+
+Three kernels, launched in this order by :func:`decode_forward`:
+
+1. ``_append_kernel`` writes the new ``k, v [B, T, Hkv, D]`` into the cache in place at
+   positions ``cache_seqlens[b] .. cache_seqlens[b] + T - 1`` (through the block table when
+   paged). ``cache_seqlens`` itself is not modified.
+2. ``_decode_kernel``: one program per ``(batch, kv_head, row tile, split)``. All
+   ``group = Hq // Hkv`` query heads of one KV head, times the ``T`` new tokens, form one tile
+   of ``group * T`` rows (row ``r`` is token ``r // group`` of query head
+   ``kv_head * group + r % group``), padded to >= 16 rows for ``tl.dot``. So every K/V byte is
+   read once per step, not once per query head. The context ``[0, L)`` of a sequence is cut
+   into ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program streams one run and
+   writes a normalized partial output and its log-sum-exp (float32) to a workspace.
+3. ``combine`` (``kernels/combine.py``) merges the splits exactly by log-sum-exp. With one
+   split the decode kernel writes the final output directly and nothing else runs.
+
+Cache layouts (``PAGE_SIZE`` constexpr): contiguous ``[B, S_max, Hkv, D]`` (``PAGE_SIZE`` 0)
+or paged ``[num_blocks, page_size, Hkv, D]`` with ``block_table [B, max_blocks]`` int32: key
+``j`` of sequence ``b`` lives in block ``block_table[b, j // page_size]`` at slot
+``j % page_size``. Pages at least one tile long are looked up once per tile; smaller pages are
+gathered row by row. All cache offsets are int64.
+
+Causal masking among the new tokens is aligned bottom-right: with ``L = cache_seqlens[b] + T``
+(``+ 0`` when nothing is appended), new token ``t`` sees keys ``j <= L - T + t``.
+
+Robustness without host synchronisation: lengths are clamped to ``[0, capacity]`` and page
+indices read from the block table to ``[0, num_blocks)``, so bad values (when the caller did
+not validate them) give wrong numbers, never out-of-bounds accesses; the append kernel skips
+slots it cannot address instead of clamping them.
+
+Also here: :func:`baseline_decode`, the straightforward kernel (one program per query head, no
+split, no GQA sharing, every tile masked), kept for benchmarks so each technique's gain shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dot_flags, is_interpreted, padded_head_dim
+from .combine import combine
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Starting points for an H200 (bf16/fp16), keyed by padded head dim: a K and a V tile of
+# BLOCK_N x D per pipeline stage (32 KiB at D = 128). `benchmarks/decode.py --sweep-configs`
+# searches around them.
+HOPPER_TABLE = {
+    16: DecodeConfig(128, 4, 3),
+    32: DecodeConfig(128, 4, 3),
+    64: DecodeConfig(128, 4, 3),
+    128: DecodeConfig(64, 4, 3),
+    256: DecodeConfig(32, 4, 3),
+}
+INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
+
+WAVES = 2  # auto splits aim for this many programs per SM
+MIN_SPLIT_TOKENS = 256  # auto splits give each split at least this much of the capacity
+MAX_AUTO_SPLITS = 128
+INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; a small count still exercises splitting
+MAX_TILE_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}  # row tile cap per padded D
+APPEND_TILE_ELEMENTS = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# Device code
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cache_rows(
+    bt_row, stride_btn, batch, start_n, keys, length, num_blocks,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Block and slot of each key of the tile at ``start_n``: key j is at ``cache[block, slot]``.
+
+    ``block`` is an int64 scalar (contiguous cache, or pages >= BLOCK_N: one page per tile) or
+    an int64 vector (pages < BLOCK_N: one look-up per key). ``slot`` is an int64 vector.
+    """
+    if PAGE_SIZE == 0:
+        block = batch
+        slot = keys.to(tl.int64)
+    else:
+        if PAGE_SIZE >= BLOCK_N:
+            block = tl.load(bt_row + (start_n // PAGE_SIZE) * stride_btn)
+        elif MASKED:
+            block = tl.load(bt_row + (keys // PAGE_SIZE) * stride_btn, mask=keys < length, other=0)
+        else:
+            block = tl.load(bt_row + (keys // PAGE_SIZE) * stride_btn)
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
+        slot = (keys % PAGE_SIZE).to(tl.int64)
+    return block, slot
+
+
+@triton.jit
+def _attend_cache_tile(
+    acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys ``start_n .. start_n + BLOCK_N - 1`` of the cache.
+
+    ``K``/``V`` already point at this program's KV head. ``m_i`` is the running row max in log2
+    units (scaled). With ``MASKED`` the tile may hold keys ``>= length`` or, with ``CAUSAL``,
+    keys after a row's token (row token ``t`` sees keys ``j <= t + causal_shift``).
+    """
+    keys = start_n + offs_n
+    block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks,
+                              PAGE_SIZE, BLOCK_N, MASKED)
+    k_ptrs = K + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
+    v_ptrs = V + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+    if MASKED:
+        kv_mask = keys[:, None] < length
+        if BLOCK_D != HEAD_DIM:
+            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        d_mask = offs_d[None, :] < HEAD_DIM
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        visible = keys[None, :] < length
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= row_token[:, None] + causal_shift)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _store_rows(
+    Out, Lse, acc, l_i, m_i, split, batch, row_token, row_head, row_ok, offs_d,
+    stride_os, stride_ob, stride_ot, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lt,
+    HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Write normalized rows ``out [.., token, head, :]`` and ``lse [.., head, token]``.
+
+    Rows that saw no key have ``l = 0`` and ``acc = 0``: output 0, LSE -inf.
+    """
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    token = row_token.to(tl.int64)
+    head = row_head.to(tl.int64)
+    o_ptrs = (Out + split * stride_os + batch * stride_ob
+              + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    if WRITE_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
+        l_ptrs = Lse + split * stride_ls + batch * stride_lb + head * stride_lh + token * stride_lt
+        tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, BlockTable, SeqLens, Out, Lse,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_btn, stride_sl,
+    stride_os, stride_ob, stride_ot, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lt,
+    seqlen_new, appended, capacity, num_blocks,
+    num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program id -> (batch, kv_head, split, row tile), row tile fastest, in one grid axis.
+    pid = tl.program_id(0)
+    row_tile = pid % num_row_tiles
+    rest = pid // num_row_tiles
+    split = rest % num_splits
+    rest = rest // num_splits
+    kv_head = rest % num_kv_heads
+    batch = (rest // num_kv_heads).to(tl.int64)
+
+    length = tl.load(SeqLens + batch * stride_sl) + appended
+    length = tl.minimum(tl.maximum(length, 0), capacity)
+    causal_shift = length - seqlen_new  # token t sees keys j <= t + causal_shift
+
+    offs_r = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_token = offs_r // group
+    row_head = kv_head * group + offs_r % group
+    row_ok = offs_r < group * seqlen_new
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (Q + batch * stride_qb + row_token[:, None].to(tl.int64) * stride_qt
+              + row_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # This split's keys [lo, hi): a run of whole tiles; keys below `full` are visible to every
+    # row of the tile (no mask), the rest pay for masks.
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits)
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, length)
+    if CAUSAL:
+        full = tl.minimum(hi, (row_tile * BLOCK_M) // group + causal_shift + 1)
+    else:
+        full = hi
+    full_end = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
+
+    kv_head64 = kv_head.to(tl.int64)
+    K = K + kv_head64 * stride_kh
+    V = V + kv_head64 * stride_vh
+    bt_row = BlockTable + batch * stride_btb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_cache_tile(
+            acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, CAUSAL, DOT_F32, DOT_PRECISION,
+        )
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_cache_tile(
+            acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
+        )
+
+    _store_rows(
+        Out, Lse, acc, l_i, m_i, split.to(tl.int64), batch, row_token, row_head, row_ok, offs_d,
+        stride_os, stride_ob, stride_ot, stride_oh,
+        stride_ls, stride_lb, stride_lh, stride_lt,
+        HEAD_DIM, WRITE_LSE,
+    )
+
+
+@triton.jit
+def _baseline_kernel(
+    Q, K, V, BlockTable, SeqLens, Out, Lse,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_btn, stride_sl,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh, stride_lt,
+    seqlen_new, appended, capacity, num_blocks, num_heads, group, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (batch, query head): its T new tokens against the whole context."""
+    pid = tl.program_id(0)
+    head = pid % num_heads
+    batch = (pid // num_heads).to(tl.int64)
+    length = tl.minimum(tl.maximum(tl.load(SeqLens + batch * stride_sl) + appended, 0), capacity)
+    causal_shift = length - seqlen_new
+
+    row_token = tl.arange(0, BLOCK_M)
+    row_head = tl.zeros([BLOCK_M], dtype=tl.int32) + head
+    row_ok = row_token < seqlen_new
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (Q + batch * stride_qb + head.to(tl.int64) * stride_qh
+              + row_token[:, None].to(tl.int64) * stride_qt + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    kv_head = (head // group).to(tl.int64)
+    K = K + kv_head * stride_kh
+    V = V + kv_head * stride_vh
+    bt_row = BlockTable + batch * stride_btb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, length, BLOCK_N):
+        acc, l_i, m_i = _attend_cache_tile(
+            acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
+        )
+    _store_rows(
+        Out, Lse, acc, l_i, m_i, 0, batch, row_token, row_head, row_ok, offs_d,
+        0, stride_ob, stride_ot, stride_oh,
+        0, stride_lb, stride_lh, stride_lt,
+        HEAD_DIM, WRITE_LSE,
+    )
+
+
+@triton.jit
+def _append_kernel(
+    KNew, VNew, K, V, BlockTable, SeqLens,
+    stride_nkb, stride_nkt, stride_nkh,
+    stride_nvb, stride_nvt, stride_nvh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_btn, stride_sl,
+    seqlen_new, num_kv_heads, num_head_blocks, capacity, num_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Copy new token ``t`` of sequence ``b`` (a block of heads) to cache position ``len_b + t``."""
+    pid = tl.program_id(0)
+    head_block = pid % num_head_blocks
+    row = pid // num_head_blocks
+    token = row % seqlen_new
+    batch = (row // seqlen_new).to(tl.int64)
+    pos = tl.load(SeqLens + batch * stride_sl) + token
+    ok = (pos >= 0) & (pos < capacity)
+    if PAGE_SIZE == 0:
+        block = batch
+    else:
+        block = tl.load(BlockTable + batch * stride_btb + (pos // PAGE_SIZE) * stride_btn,
+                        mask=ok, other=-1)
+        ok = ok & (block >= 0) & (block < num_blocks)
+        block = block.to(tl.int64)
+        pos = pos % PAGE_SIZE
+    pos = pos.to(tl.int64)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = ok & (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+    heads = heads.to(tl.int64)
+    token = token.to(tl.int64)
+    k = tl.load(KNew + batch * stride_nkb + token * stride_nkt + heads[:, None] * stride_nkh
+                + offs_d[None, :], mask=mask)
+    v = tl.load(VNew + batch * stride_nvb + token * stride_nvt + heads[:, None] * stride_nvh
+                + offs_d[None, :], mask=mask)
+    tl.store(K + block * stride_kb + pos * stride_ks + heads[:, None] * stride_kh + offs_d[None, :],
+             k, mask=mask)
+    tl.store(V + block * stride_vb + pos * stride_vs + heads[:, None] * stride_vh + offs_d[None, :],
+             v, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: geometry, configs, splits, workspace, launchers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """Shape facts of a cache: ``page_size`` 0 means contiguous ``[B, S_max, Hkv, D]``."""
+
+    page_size: int
+    capacity: int  # tokens one sequence can hold: S_max, or max_blocks * page_size
+    num_blocks: int  # pages in the pool (paged), batch (contiguous)
+
+    @staticmethod
+    def of(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> CacheGeometry:
+        if block_table is None:
+            return CacheGeometry(0, k_cache.shape[1], k_cache.shape[0])
+        page_size = k_cache.shape[1]
+        return CacheGeometry(page_size, block_table.shape[1] * page_size, k_cache.shape[0])
+
+
+def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool) -> DecodeConfig:
+    """Tile and launch parameters for one call (a table look-up, no autotuning)."""
+    if interpreted:
+        return INTERPRETER_CONFIG
+    config = HOPPER_TABLE[padded_head_dim(head_dim)]
+    if dtype == torch.float32:
+        return DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
+    return config
+
+
+def pick_block_m(rows: int, head_dim: int) -> int:
+    """Row-tile height: all ``group * T`` rows when they fit, padded to >= 16 for ``tl.dot``."""
+    return max(16, min(triton.next_power_of_2(rows), MAX_TILE_ROWS[padded_head_dim(head_dim)]))
+
+
+def _warps_for(config: DecodeConfig, block_m: int, head_dim: int) -> int:
+    """Tall row tiles (many heads x tokens) get 8 warps so the fp32 accumulator fits in registers."""
+    return config.num_warps if block_m * padded_head_dim(head_dim) <= 8192 else max(config.num_warps, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device, interpreted: bool) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device; a fixed count when interpreted)."""
+    if interpreted or device.type != "cuda":
+        return INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool) -> int:
+    """Splits for ``programs`` (batch x kv heads x row tiles) programs: about WAVES per SM.
+
+    Depends on shapes only (no look at the lengths, so no host sync). Each split gets at least
+    ``MIN_SPLIT_TOKENS`` (one tile when interpreted) of the capacity.
+    """
+    wanted = triton.cdiv(WAVES * sms, max(programs, 1))
+    min_tokens = block_n if interpreted else max(block_n, MIN_SPLIT_TOKENS)
+    by_context = max(1, triton.cdiv(capacity, min_tokens))
+    return max(1, min(wanted, by_context, MAX_AUTO_SPLITS))
+
+
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A float32 scratch buffer of at least ``numel`` elements, cached per (device, size bucket).
+
+    Buckets are powers of two and are never freed: a CUDA graph that captured one keeps a valid
+    pointer forever. The first call with a new bucket allocates; later calls do not, so run a
+    decode step once before capturing it. Calls on one device share the buffer, so concurrent
+    decode calls on different streams of one device are not supported.
+    """
+    bucket = triton.next_power_of_2(max(numel, 1))
+    key = (device, bucket)
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = _new_workspace(bucket, device)
+        _WORKSPACES[key] = buf
+    return buf[:numel]
+
+
+def _new_workspace(numel: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def clear_workspaces() -> None:
+    """Drop the cached workspaces (tests; or to return memory when no graph uses them)."""
+    _WORKSPACES.clear()
+
+
+def _block_table_args(block_table, cache_seqlens):
+    if block_table is None:
+        return cache_seqlens, 0, 0  # an unused pointer
+    return block_table, block_table.stride(0), block_table.stride(1)
+
+
+def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> None:
+    """Write ``k_new, v_new [B, T, Hkv, D]`` into the cache at ``cache_seqlens[b] + t``, in place."""
+    batch, seqlen_new, num_kv_heads, head_dim = k_new.shape
+    if batch == 0 or seqlen_new == 0:
+        return
+    geometry = CacheGeometry.of(k_cache, block_table)
+    block_d = padded_head_dim(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, APPEND_TILE_ELEMENTS // block_d))
+    num_head_blocks = triton.cdiv(num_kv_heads, block_h)
+    bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
+    _append_kernel[(batch * seqlen_new * num_head_blocks,)](
+        k_new, v_new, k_cache, v_cache, bt, cache_seqlens,
+        k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_btb, stride_btn, cache_seqlens.stride(0),
+        seqlen_new, num_kv_heads, num_head_blocks, geometry.capacity, geometry.num_blocks,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE_SIZE=geometry.page_size,
+        num_warps=4,
+    )
+
+
+def decode_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    causal: bool,
+    softmax_scale: float,
+    num_splits: int = 0,
+    config: DecodeConfig | None = None,
+) -> None:
+    """Append ``k_new, v_new`` (if given), then attend; writes ``out`` and ``lse`` (or None).
+
+    Shapes: ``q [B, T, Hq, D]``, caches as in the module docstring, ``cache_seqlens [B]``
+    int32, ``out [B, T, Hq, D]``, ``lse [B, Hq, T]`` float32. Inputs are validated by the
+    caller; B, T >= 1. ``num_splits`` 0 picks from the SM count and the capacity.
+    """
+    if k_new is not None:
+        append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
+    batch, seqlen_new, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    geometry = CacheGeometry.of(k_cache, block_table)
+    interpreted = is_interpreted(_decode_kernel)
+    if config is None:
+        config = pick_config(head_dim, q.dtype, interpreted)
+    group = num_heads // num_kv_heads
+    block_m = pick_block_m(group * seqlen_new, head_dim)
+    num_row_tiles = triton.cdiv(group * seqlen_new, block_m)
+    if num_splits == 0:
+        programs = batch * num_kv_heads * num_row_tiles
+        num_splits = pick_num_splits(programs, geometry.capacity, config.block_n,
+                                     sm_count(q.device, interpreted), interpreted)
+
+    if num_splits == 1:
+        target, target_lse = out, lse
+        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+        l_strides = (0, lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0,) * 4
+    else:
+        n_out = num_splits * batch * seqlen_new * num_heads * head_dim
+        n_lse = num_splits * batch * num_heads * seqlen_new
+        buf = workspace(q.device, n_out + n_lse)
+        target = buf[:n_out].view(num_splits, batch, seqlen_new, num_heads, head_dim)
+        target_lse = buf[n_out:].view(num_splits, batch, num_heads, seqlen_new)
+        o_strides = (target.stride(0), target.stride(1), target.stride(2), target.stride(3))
+        l_strides = target_lse.stride()
+    bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
+
+    grid = (batch * num_kv_heads * num_splits * num_row_tiles,)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, bt, cache_seqlens, target,
+        target_lse if target_lse is not None else target,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_btb, stride_btn, cache_seqlens.stride(0),
+        *o_strides, *l_strides,
+        seqlen_new, seqlen_new if k_new is not None else 0, geometry.capacity, geometry.num_blocks,
+        num_kv_heads, group, num_row_tiles, num_splits, softmax_scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
+        CAUSAL=causal, WRITE_LSE=target_lse is not None,
+        num_warps=_warps_for(config, block_m, head_dim),
+        num_stages=config.num_stages,
+        **dot_flags(q.dtype, interpreted),
+    )
+    if num_splits > 1:
+        combine(target, target_lse, out, lse)
+
+
+def baseline_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    causal: bool,
+    softmax_scale: float,
+    config: DecodeConfig | None = None,
+) -> None:
+    """The seed's straightforward decode, same contract as :func:`decode_forward`.
+
+    One program per (batch, query head) reads its KV head's whole context: K/V are read
+    ``Hq / Hkv`` times and only ``B * Hq`` programs run. ``T`` (new tokens) must be <= 128.
+    """
+    if k_new is not None:
+        append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
+    batch, seqlen_new, num_heads, head_dim = q.shape
+    if seqlen_new > 128:
+        raise ValueError(f"baseline_decode handles at most 128 new tokens, got {seqlen_new}")
+    num_kv_heads = k_cache.shape[2]
+    geometry = CacheGeometry.of(k_cache, block_table)
+    interpreted = is_interpreted(_baseline_kernel)
+    if config is None:
+        config = pick_config(head_dim, q.dtype, interpreted)
+    bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    _baseline_kernel[(batch * num_heads,)](
+        q, k_cache, v_cache, bt, cache_seqlens, out, lse if lse is not None else out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_btb, stride_btn, cache_seqlens.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
+        seqlen_new, seqlen_new if k_new is not None else 0, geometry.capacity, geometry.num_blocks,
+        num_heads, num_heads // num_kv_heads, softmax_scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_M=max(16, triton.next_power_of_2(seqlen_new)), BLOCK_N=config.block_n,
+        PAGE_SIZE=geometry.page_size, CAUSAL=causal, WRITE_LSE=lse is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **dot_flags(q.dtype, interpreted),
+    )

@@ -1,0 +1,152 @@
+"""Paged KV cache bookkeeping for a batch of sequences, as a serving engine keeps it.
+
+A pool of pages ``[num_blocks, page_size, num_kv_heads, head_dim]`` (one for keys, one for
+values) is shared by ``batch`` sequence slots. Each slot owns a list of pages; its row of
+``block_table [batch, max_blocks_per_seq]`` (int32) lists them in order, and
+``cache_seqlens [batch]`` (int32) holds how many tokens it has. Token ``j`` of slot ``b`` lives
+at ``pages[block_table[b, j // page_size], j % page_size]``; these are exactly the arguments of
+:func:`flashkernel.flash_attn_with_kvcache`.
+
+Host lists are the source of truth; the device tensors are updated in place (never
+reallocated), so a CUDA graph that captured them sees every change. One decode step::
+
+    cache.reserve(1)                      # pages for one more token per sequence (host work)
+    out = flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages, k=k, v=v,
+                                  cache_seqlens=cache.cache_seqlens, block_table=cache.block_table)
+    cache.advance(1)                      # cache_seqlens += 1, on the device, no sync
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """A page pool plus per-sequence page lists and lengths.
+
+    Args:
+        num_blocks: pages in the pool.
+        page_size: tokens per page, a power of two from 1 to 256.
+        num_kv_heads, head_dim: shape of one token's keys (and values).
+        batch: number of sequence slots.
+        max_blocks_per_seq: columns of ``block_table``; a sequence holds at most
+            ``max_blocks_per_seq * page_size`` tokens.
+        shuffle_pages: hand out pages in a random order (as a long-running engine's pool ends
+            up), instead of lowest index first.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        batch: int,
+        max_blocks_per_seq: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device="cuda",
+        shuffle_pages: bool = False,
+    ):
+        _checks.check_page_size(page_size)
+        self.page_size = page_size
+        shape = (num_blocks, page_size, num_kv_heads, head_dim)
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_table = torch.zeros(batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+        order = torch.randperm(num_blocks).tolist() if shuffle_pages else list(range(num_blocks))
+        self._free = order[::-1]  # pop() from the end hands out order[0] first
+        self._pages: list[list[int]] = [[] for _ in range(batch)]
+        self._lengths = [0] * batch
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+    def length(self, seq: int) -> int:
+        """Tokens stored for sequence slot ``seq``."""
+        return self._lengths[seq]
+
+    def pages(self, seq: int) -> list[int]:
+        """Page indices owned by ``seq``, in token order."""
+        return list(self._pages[seq])
+
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    # ---- updates -----------------------------------------------------------------------------
+
+    def _seqs(self, seqs) -> list[int]:
+        return list(range(self.batch)) if seqs is None else [seqs] if isinstance(seqs, int) else list(seqs)
+
+    def reserve(self, num_tokens: int, seqs=None) -> None:
+        """Give each sequence in ``seqs`` (default: all) room for ``num_tokens`` more tokens.
+
+        Allocates pages from the pool and writes them to ``block_table``; lengths are unchanged.
+        """
+        for seq in self._seqs(seqs):
+            needed = -(-(self._lengths[seq] + num_tokens) // self.page_size)
+            if needed > self.block_table.shape[1]:
+                raise ValueError(
+                    f"sequence {seq} would need {needed} pages for {self._lengths[seq] + num_tokens} "
+                    f"tokens; block_table has {self.block_table.shape[1]} columns"
+                )
+            grow = needed - len(self._pages[seq])
+            if grow <= 0:
+                continue
+            if grow > len(self._free):
+                raise RuntimeError(f"page pool exhausted: sequence {seq} needs {grow} pages, {len(self._free)} free")
+            start = len(self._pages[seq])
+            new = [self._free.pop() for _ in range(grow)]
+            self._pages[seq].extend(new)
+            self.block_table[seq, start:needed] = torch.tensor(new, dtype=torch.int32)
+
+    def advance(self, num_tokens: int, seqs=None) -> None:
+        """Count ``num_tokens`` more tokens (already written, e.g. by a decode step) in ``seqs``."""
+        chosen = self._seqs(seqs)
+        for seq in chosen:
+            if self._lengths[seq] + num_tokens > len(self._pages[seq]) * self.page_size:
+                raise ValueError(f"sequence {seq} has no room reserved for {num_tokens} more tokens")
+            self._lengths[seq] += num_tokens
+        if seqs is None:
+            self.cache_seqlens.add_(num_tokens)  # in place on the device, no sync
+        else:
+            self.cache_seqlens[chosen] = torch.tensor([self._lengths[s] for s in chosen], dtype=torch.int32)
+
+    def append(self, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v [n, num_kv_heads, head_dim]`` after sequence ``seq``'s tokens (prefill)."""
+        n = k.shape[0]
+        self.reserve(n, seq)
+        pos = torch.arange(self._lengths[seq], self._lengths[seq] + n)
+        pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size]
+        slots = pos % self.page_size
+        device = self.k_pages.device
+        self.k_pages[pages.to(device), slots.to(device)] = k.to(self.k_pages.dtype)
+        self.v_pages[pages.to(device), slots.to(device)] = v.to(self.v_pages.dtype)
+        self.advance(n, seq)
+
+    def free(self, seq: int) -> None:
+        """Return ``seq``'s pages to the pool and empty it (the slot can be reused)."""
+        self._free.extend(reversed(self._pages[seq]))
+        self._pages[seq] = []
+        self._lengths[seq] = 0
+        self.block_table[seq] = 0
+        self.cache_seqlens[seq] = 0
+
+    def gather(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``seq``'s keys and values as dense ``[length, num_kv_heads, head_dim]`` copies."""
+        pos = torch.arange(self._lengths[seq])
+        pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size].to(self.k_pages.device)
+        slots = (pos % self.page_size).to(self.k_pages.device)
+        return self.k_pages[pages, slots], self.v_pages[pages, slots]

@@ -1,0 +1,540 @@
+"""flash_attn_with_kvcache (append + split-KV GQA decode + combine) and KVCache.
+
+Every case builds a fresh random cache, runs one call, then checks (1) the WHOLE cache after
+the call equals the cache before with exactly the new tokens written (reference.append_to_cache)
+and (2) each sequence's output and LSE against the float64 reference over its keys, with the
+error bound relative to PyTorch's own same-dtype error (helpers.assert_output_close).
+"""
+
+import pytest
+import torch
+
+import flashkernel
+from flashkernel import interface, reference
+from flashkernel.kernels import combine as combine_module
+from flashkernel.kernels import decode
+from helpers import DEVICE, DTYPES, assert_output_close
+
+# The interpreter turns tensor loop bounds into ints through a numpy conversion numpy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+CPU_LENGTHS = (0, 1, 17, 300)
+PAGE_SIZES = (None, 1, 16, 64, 256)  # None = contiguous cache
+
+
+def make_cache(lengths, seqlen_new, num_kv_heads, head_dim, dtype, page_size, slack=5):
+    """Random caches holding ``lengths`` tokens (+ room for ``seqlen_new`` + slack) per sequence.
+
+    Paged pools have spare pages and a random page order; unused block-table entries hold an
+    out-of-range index, which must never be read.
+    """
+    batch = len(lengths)
+    need = max(lengths) + seqlen_new + slack
+    if page_size is None:
+        k_cache = torch.randn(batch, need, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        return k_cache, torch.randn_like(k_cache), None
+    max_blocks = -(-need // page_size)
+    num_blocks = batch * max_blocks + 3
+    k_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    pages = torch.randperm(num_blocks, device=DEVICE)[: batch * max_blocks].view(batch, max_blocks)
+    block_table = pages.to(torch.int32)
+    for b, length in enumerate(lengths):
+        used = -(-(length + seqlen_new) // page_size)
+        block_table[b, used:] = num_blocks + 1000
+    return k_cache, torch.randn_like(k_cache), block_table
+
+
+def check_sequences(out, lse, q, k_cache, v_cache, lengths, block_table, causal, softmax_scale=None):
+    """Each sequence ``b`` against the reference over its first ``lengths[b]`` cached tokens."""
+    for b, length in enumerate(lengths):
+        if length == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])), f"sequence {b} has no keys"
+            assert lse is None or torch.isneginf(lse[b]).all()
+            continue
+        keys = reference.cache_prefix(k_cache, b, length, block_table)[None]
+        values = reference.cache_prefix(v_cache, b, length, block_table)[None]
+        assert_output_close(out[b:b + 1], q[b:b + 1], keys, values, causal=causal,
+                            softmax_scale=softmax_scale, lse=None if lse is None else lse[b:b + 1])
+
+
+def run_and_check(lengths, seqlen_new, heads, head_dim, dtype, page_size, *, causal=True,
+                  append=True, num_splits=0, softmax_scale=None):
+    num_heads, num_kv_heads = heads
+    batch = len(lengths)
+    k_cache, v_cache, block_table = make_cache(lengths, seqlen_new, num_kv_heads, head_dim, dtype, page_size)
+    q = torch.randn(batch, seqlen_new, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    k = v = None
+    if append:
+        k = torch.randn(batch, seqlen_new, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        v = torch.randn_like(k)
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    saved = [t.clone() for t in (q, cache_seqlens, k_cache, v_cache)]
+    out, lse = flashkernel.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+        causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
+    )
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (batch, num_heads, seqlen_new) and lse.dtype == torch.float32
+    assert torch.equal(q, saved[0]) and torch.equal(cache_seqlens, saved[1])
+
+    expected_k, expected_v = saved[2], saved[3]
+    if append:
+        expected_k = reference.append_to_cache(expected_k, k, cache_seqlens, block_table)
+        expected_v = reference.append_to_cache(expected_v, v, cache_seqlens, block_table)
+    assert torch.equal(k_cache, expected_k), "k_cache differs from the cache with k appended"
+    assert torch.equal(v_cache, expected_v), "v_cache differs from the cache with v appended"
+    totals = [length + (seqlen_new if append else 0) for length in lengths]
+    check_sequences(out, lse, q, expected_k, expected_v, totals, block_table, causal, softmax_scale)
+    return out, lse
+
+
+# ---- the grid, cut for the interpreter --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_page_sizes_and_ragged_lengths(page_size, dtype):
+    run_and_check(CPU_LENGTHS, 2, (8, 2), 64, dtype, page_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 2), (32, 1)], ids=["mha", "gqa4", "gqa8", "mqa32"])
+def test_gqa_ratios(heads, dtype):
+    run_and_check((17, 90), 1, heads, 64, dtype, 16)
+
+
+@pytest.mark.parametrize("seqlen_new", [1, 2, 3, 5, 8])
+def test_new_tokens_causal_among_themselves(seqlen_new):
+    run_and_check((0, 9, 70), seqlen_new, (8, 2), 64, torch.float16, 16)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
+def test_head_dims(head_dim):
+    run_and_check((1, 40), 2, (4, 2), head_dim, torch.bfloat16, None)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_split_counts(num_splits, page_size):
+    """Split and unsplit; more splits than tiles leaves splits empty (merged as -inf)."""
+    run_and_check((0, 33, 200), 3, (8, 2), 64, torch.float16, page_size, num_splits=num_splits)
+
+
+def test_many_row_tiles():
+    """MQA with 8 new tokens and head dim 256: 256 rows, more than one row tile."""
+    assert decode.pick_block_m(32 * 8, 256) < 32 * 8
+    run_and_check((5, 60), 8, (32, 1), 256, torch.float16, 64, num_splits=2)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_not_causal(page_size):
+    run_and_check((0, 17, 100), 4, (8, 2), 64, torch.float16, page_size, causal=False)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size", [None, 1])
+def test_no_new_tokens(page_size, causal):
+    """Without k, v: attend to the cache as it is; with L < seqlen_q early queries see nothing."""
+    run_and_check((0, 2, 50), 4, (4, 1), 64, torch.float16, page_size, causal=causal, append=False)
+
+
+def test_float32():
+    run_and_check((3, 45), 2, (4, 2), 64, torch.float32, 16)
+
+
+@pytest.mark.parametrize("softmax_scale", [0.01, 0.5])
+def test_custom_softmax_scale(softmax_scale):
+    run_and_check((20, 64), 1, (4, 2), 64, torch.float16, None, softmax_scale=softmax_scale)
+
+
+def test_early_queries_see_nothing():
+    """cache_seqlens 1, 4 query tokens, nothing appended: tokens 0..2 see no key."""
+    out, lse = run_and_check((1,), 4, (2, 1), 64, torch.float16, None, append=False)
+    assert torch.equal(out[0, :3], torch.zeros_like(out[0, :3]))
+    assert torch.isneginf(lse[0, :, :3]).all() and torch.isfinite(lse[0, :, 3]).all()
+
+
+MIXED = [  # (page_size, (Hq, Hkv), seqlen_new, head_dim, dtype, num_splits)
+    (16, (32, 8), 1, 128, torch.bfloat16, 0),  # the 7B-class decode shape
+    (1, (32, 1), 3, 128, torch.bfloat16, 0),
+    (256, (8, 2), 8, 64, torch.float16, 4),
+    (64, (4, 1), 5, 256, torch.float16, 1),
+    (None, (16, 4), 2, 128, torch.bfloat16, 3),
+    (None, (32, 32), 1, 64, torch.float16, 0),
+]
+
+
+@pytest.mark.parametrize("page_size, heads, seqlen_new, head_dim, dtype, num_splits", MIXED)
+def test_mixed_configurations(page_size, heads, seqlen_new, head_dim, dtype, num_splits):
+    run_and_check(CPU_LENGTHS, seqlen_new, heads, head_dim, dtype, page_size, num_splits=num_splits)
+
+
+# ---- layouts, determinism, workspace -----------------------------------------------------------
+
+
+def test_strided_views_of_one_kv_pool():
+    """k_cache, v_cache as views of one [num_blocks, 2, page, H, D] pool; q a strided view."""
+    pool = torch.randn(12, 2, 16, 2, 64, dtype=torch.float16, device=DEVICE)
+    k_cache, v_cache = pool.unbind(1)
+    block_table = torch.tensor([[3, 7, 1], [0, 11, 5]], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 2, 8, 64, dtype=torch.float16, device=DEVICE)[:, :, ::2]
+    k = torch.randn(2, 2, 2, 64, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(2, 2, 4, 64, dtype=torch.float16, device=DEVICE)[:, :, 1::2]
+    seqlens = torch.tensor([20, 31], dtype=torch.int32, device=DEVICE)
+    before = pool.clone()
+    out, lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                                   block_table=block_table, return_lse=True, num_splits=2)
+    expected_k = reference.append_to_cache(before[:, 0], k, seqlens, block_table)
+    expected_v = reference.append_to_cache(before[:, 1], v, seqlens, block_table)
+    assert torch.equal(pool, torch.stack([expected_k, expected_v], dim=1))
+    check_sequences(out, lse, q, expected_k, expected_v, [22, 33], block_table, True)
+
+
+def test_strided_seqlens_and_block_table():
+    """cache_seqlens and block_table as strided views (every other element / column)."""
+    lengths = (40, 3)
+    k_cache, v_cache, block_table = make_cache(lengths, 1, 2, 64, torch.float16, 16)
+    wide = torch.zeros(2, 2 * block_table.shape[1], dtype=torch.int32, device=DEVICE)
+    wide[:, ::2] = block_table
+    wide[:, 1::2] = -5  # never read
+    seqlens = torch.tensor([40, -9, 3, -9], dtype=torch.int32, device=DEVICE)[::2]
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16, device=DEVICE)
+    out, lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                   block_table=wide[:, ::2], return_lse=True, num_splits=2)
+    check_sequences(out, lse, q, k_cache, v_cache, lengths, block_table, True)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 64])
+def test_unvalidated_bad_values_stay_in_bounds(page_size):
+    """validate=False with lengths past capacity, negative lengths and a block table pointing
+    outside the pool: no out-of-bounds access, no append lands anywhere, outputs are finite."""
+    k_cache, v_cache, block_table = make_cache((60, 60), 2, 2, 64, torch.float16, page_size)
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
+    if block_table is not None:
+        block_table[0] = 10**6
+        block_table[1] = -3
+    seqlens = torch.tensor([capacity + 50, -7], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 2, 4, 64, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(2, 2, 2, 64, dtype=torch.float16, device=DEVICE)
+    before = k_cache.clone(), v_cache.clone()
+    out = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=k, cache_seqlens=seqlens,
+                                             block_table=block_table, validate=False, num_splits=3)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    assert torch.isfinite(out).all()
+
+
+def test_identical_calls_are_bitwise_identical():
+    k_cache, v_cache, block_table = make_cache((70, 130), 1, 2, 64, torch.bfloat16, 16)
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    seqlens = torch.tensor([70, 130], dtype=torch.int32, device=DEVICE)
+    call = lambda: flashkernel.flash_attn_with_kvcache(  # noqa: E731
+        q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table, num_splits=3, return_lse=True)
+    (a, lse_a), (b, lse_b) = call(), call()
+    assert torch.equal(a, b) and torch.equal(lse_a, lse_b)
+
+
+def test_nan_workspace_is_never_read_unwritten(monkeypatch):
+    """Split partials start as NaN: every element combine reads must have been written."""
+    monkeypatch.setattr(decode, "_WORKSPACES", {})
+    monkeypatch.setattr(decode, "_new_workspace",
+                        lambda n, device: torch.full((n,), float("nan"), device=device))
+    run_and_check((0, 5, 150), 2, (8, 2), 64, torch.float16, 16, num_splits=6)
+
+
+def test_workspace_is_reused():
+    decode.workspace(torch.device(DEVICE), 1000)
+    a = decode.workspace(torch.device(DEVICE), 700)
+    b = decode.workspace(torch.device(DEVICE), 1000)
+    assert a.data_ptr() == b.data_ptr()
+
+
+def test_return_lse_false_returns_tensor_only():
+    k_cache, v_cache, _ = make_cache((4,), 1, 1, 64, torch.float16, None)
+    q = torch.randn(1, 1, 2, 64, dtype=torch.float16, device=DEVICE)
+    seqlens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    out = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert isinstance(out, torch.Tensor)
+
+
+@pytest.mark.parametrize("shape", [(0, 1), (2, 0)], ids=["batch0", "seqlen_q0"])
+def test_empty_inputs_return_without_launch(shape, monkeypatch):
+    batch, seqlen_new = shape
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched for an empty problem")
+
+    monkeypatch.setattr(interface.decode, "decode_forward", no_launch)
+    k_cache, v_cache, block_table = make_cache([3] * max(batch, 1), 1, 2, 64, torch.float16, 16)
+    block_table = block_table[:batch]
+    q = torch.randn(batch, seqlen_new, 4, 64, dtype=torch.float16, device=DEVICE)
+    seqlens = torch.full((batch,), 3, dtype=torch.int32, device=DEVICE)
+    out, lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                   block_table=block_table, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, 4, seqlen_new)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_auto_splits_depend_on_shapes_only():
+    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False) == 33
+    assert decode.pick_num_splits(programs=512, capacity=131072, block_n=64, sms=132, interpreted=False) == 1
+    assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 2
+    assert decode.pick_num_splits(programs=1, capacity=10**6, block_n=64, sms=132, interpreted=False) == 128
+
+
+# ---- baseline ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 64])
+def test_baseline_matches_reference(page_size):
+    lengths, seqlen_new = (0, 17, 90), 3
+    k_cache, v_cache, block_table = make_cache(lengths, seqlen_new, 2, 64, torch.float16, page_size)
+    q = torch.randn(3, seqlen_new, 8, 64, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(3, seqlen_new, 2, 64, dtype=torch.float16, device=DEVICE)
+    v = torch.randn_like(k)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    expected_k = reference.append_to_cache(k_cache, k, seqlens, block_table)
+    expected_v = reference.append_to_cache(v_cache, v, seqlens, block_table)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((3, 8, seqlen_new), float("nan"), device=DEVICE)
+    decode.baseline_decode(q, k_cache, v_cache, seqlens, block_table, out, lse, k_new=k, v_new=v,
+                           causal=True, softmax_scale=64 ** -0.5)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    check_sequences(out, lse, q, expected_k, expected_v, [n + seqlen_new for n in lengths], block_table, True)
+
+
+# ---- the reference itself ----------------------------------------------------------------------
+
+
+def test_reference_with_kvcache_is_dense_attention_over_the_gathered_prefix():
+    """attention_with_kvcache == attention over keys gathered token by token from the pages."""
+    k_cache, v_cache, block_table = make_cache((0, 5, 21), 3, 1, 16, torch.float64, 4)
+    q = torch.randn(3, 3, 2, 16, dtype=torch.float64, device=DEVICE)
+    k = torch.randn(3, 3, 1, 16, dtype=torch.float64, device=DEVICE)
+    v = torch.randn_like(k)
+    seqlens = [0, 5, 21]
+    out, lse = reference.attention_with_kvcache(q, k_cache, v_cache, seqlens, k=k, v=v, block_table=block_table)
+    for b, n in enumerate(seqlens):
+        old = [k_cache[int(block_table[b, j // 4]), j % 4] for j in range(n)]
+        keys = torch.stack(old + [k[b, t] for t in range(3)])[None]
+        old = [v_cache[int(block_table[b, j // 4]), j % 4] for j in range(n)]
+        values = torch.stack(old + [v[b, t] for t in range(3)])[None]
+        expected, expected_lse = reference.attention(q[b:b + 1], keys, values, causal=True)
+        torch.testing.assert_close(out[b:b + 1], expected)
+        torch.testing.assert_close(lse[b:b + 1], expected_lse)
+
+
+# ---- combine ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parts, head_dim", [(4, 40), (70, 256)], ids=["one-chunk", "three-chunks"])
+def test_combine_merges_exactly_and_skips_empty_parts(parts, head_dim):
+    batch, seqlen, heads = 2, 3, 5
+    out_parts = torch.randn(parts, batch, seqlen, heads, head_dim, device=DEVICE)
+    lse_parts = torch.randn(parts, batch, heads, seqlen, device=DEVICE) * 3
+    lse_parts[1] = float("-inf")  # an empty part everywhere
+    lse_parts[:, 0, 2, 1] = float("-inf")  # a row with no key at all
+    out_parts[1] = float("nan")  # never read
+    out_parts[:, 0, 1, 2] = float("nan")
+    out = torch.full((batch, seqlen, heads, head_dim), float("nan"), dtype=torch.float16, device=DEVICE)
+    lse = torch.full((batch, heads, seqlen), float("nan"), device=DEVICE)
+    combine_module.combine(out_parts, lse_parts, out, lse)
+
+    lse64 = lse_parts.double()
+    truth_lse = torch.logsumexp(lse64, dim=0)  # [B, H, T]
+    weights = torch.exp(lse64 - truth_lse).nan_to_num(0.0).permute(0, 1, 3, 2)  # [P, B, T, H]
+    truth = (weights[..., None] * out_parts.double().nan_to_num(0.0)).sum(0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(truth_lse))
+    finite = torch.isfinite(truth_lse)
+    assert (lse.double() - truth_lse)[finite].abs().max() < 1e-5
+    assert torch.equal(out[0, 1, 2], torch.zeros_like(out[0, 1, 2]))
+    torch.testing.assert_close(out.double(), truth, atol=2e-3, rtol=2e-3)
+
+
+def test_combine_single_part_is_identity():
+    out_parts = torch.randn(1, 2, 1, 3, 64, device=DEVICE)
+    lse_parts = torch.randn(1, 2, 3, 1, device=DEVICE)
+    out = torch.empty(2, 1, 3, 64, device=DEVICE)
+    lse = torch.empty(2, 3, 1, device=DEVICE)
+    combine_module.combine(out_parts, lse_parts, out, lse)
+    torch.testing.assert_close(out, out_parts[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, lse_parts[0], atol=1e-6, rtol=1e-6)
+
+
+# ---- KVCache ----------------------------------------------------------------------------------
+
+
+def test_kvcache_bookkeeping():
+    cache = flashkernel.KVCache(num_blocks=10, page_size=4, num_kv_heads=2, head_dim=8, batch=3,
+                                max_blocks_per_seq=4, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(6, 2, 8, dtype=torch.float16, device=DEVICE)
+    v = torch.randn_like(k)
+    cache.append(1, k, v)
+    assert cache.length(1) == 6 and cache.pages(1) == [0, 1] and cache.free_pages() == 8
+    assert cache.cache_seqlens.tolist() == [0, 6, 0]
+    assert cache.block_table[1, :2].tolist() == [0, 1]
+    gk, gv = cache.gather(1)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    cache.reserve(3)  # every sequence: one page for 0 and 2, seq 1 needs a third for 9 tokens
+    assert [len(cache.pages(s)) for s in range(3)] == [1, 3, 1] and cache.free_pages() == 5
+    cache.advance(3)
+    assert cache.cache_seqlens.tolist() == [3, 9, 3]
+    cache.free(1)
+    assert cache.free_pages() == 8 and cache.length(1) == 0 and cache.cache_seqlens[1] == 0
+    with pytest.raises(ValueError, match="sequence 2 would need 5 pages for 20 tokens; block_table has 4 columns"):
+        cache.reserve(17, 2)
+    with pytest.raises(ValueError, match="sequence 0 has no room reserved for 2 more tokens"):
+        cache.advance(2, 0)
+    with pytest.raises(ValueError, match="page size 3"):
+        flashkernel.KVCache(num_blocks=1, page_size=3, num_kv_heads=1, head_dim=8, batch=1,
+                            max_blocks_per_seq=1, device=DEVICE)
+
+
+def test_kvcache_pool_exhausted():
+    cache = flashkernel.KVCache(num_blocks=2, page_size=4, num_kv_heads=1, head_dim=8, batch=2,
+                                max_blocks_per_seq=4, dtype=torch.float16, device=DEVICE)
+    cache.reserve(8, 0)
+    with pytest.raises(RuntimeError, match="page pool exhausted: sequence 1 needs 1 pages, 0 free"):
+        cache.reserve(1, 1)
+
+
+def test_decode_steps_through_kvcache():
+    """Prefill ragged prompts into a shuffled pool, then three decode steps with append."""
+    heads, head_dim, dtype = (8, 2), 64, torch.float16
+    cache = flashkernel.KVCache(num_blocks=40, page_size=16, num_kv_heads=2, head_dim=head_dim, batch=3,
+                                max_blocks_per_seq=8, dtype=dtype, device=DEVICE, shuffle_pages=True)
+    for seq, prompt in enumerate((0, 30, 77)):
+        if prompt:
+            cache.append(seq, torch.randn(prompt, 2, head_dim, dtype=dtype, device=DEVICE),
+                         torch.randn(prompt, 2, head_dim, dtype=dtype, device=DEVICE))
+    for _ in range(3):
+        cache.reserve(1)
+        q = torch.randn(3, 1, heads[0], head_dim, dtype=dtype, device=DEVICE)
+        k = torch.randn(3, 1, 2, head_dim, dtype=dtype, device=DEVICE)
+        v = torch.randn_like(k)
+        out, lse = flashkernel.flash_attn_with_kvcache(
+            q, cache.k_pages, cache.v_pages, k=k, v=v, cache_seqlens=cache.cache_seqlens,
+            block_table=cache.block_table, return_lse=True)
+        cache.advance(1)
+        for seq in range(3):
+            keys, values = cache.gather(seq)
+            assert torch.equal(keys[-1], k[seq, 0]) and torch.equal(values[-1], v[seq, 0])
+            assert_output_close(out[seq:seq + 1], q[seq:seq + 1], keys[None], values[None],
+                                causal=True, lse=lse[seq:seq + 1])
+
+
+# ---- GPU only ---------------------------------------------------------------------------------
+
+
+GPU_LENGTHS = (0, 1, 17, 300, 4097)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("heads", [(4, 4), (32, 8), (32, 4), (32, 1)], ids=["mha", "gqa4", "gqa8", "mqa32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_full_grid_gpu(head_dim, heads, page_size, dtype):
+    run_and_check(GPU_LENGTHS, 4, heads, head_dim, dtype, page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_new", range(1, 9))
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+def test_new_tokens_and_splits_gpu(num_splits, seqlen_new):
+    run_and_check(GPU_LENGTHS, seqlen_new, (32, 8), 128, torch.bfloat16, 16, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_long_contexts_gpu(page_size):
+    run_and_check((4097, 70001, 131072), 1, (32, 8), 128, torch.bfloat16, page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_cache_over_2_31_elements_gpu(page_size):
+    """Offsets past 2**31 elements: sequence 1's tokens (contiguous) or pages (paged) lie there."""
+    heads, head_dim, dtype, seqlen_new = 8, 128, torch.bfloat16, 2
+    per_token = heads * head_dim
+    tokens = 2**31 // per_token + 4096  # more than 2**31 elements
+    lengths = (1000, 3000)
+    if page_size is None:  # sequence 1 starts past element 2**31
+        k_cache = torch.empty(2, tokens, heads, head_dim, dtype=dtype, device="cuda")
+        block_table = None
+    else:
+        k_cache = torch.empty(tokens // page_size, page_size, heads, head_dim, dtype=dtype, device="cuda")
+        last = k_cache.shape[0]
+        block_table = torch.arange(last - 32, last, dtype=torch.int32, device="cuda").flip(0).view(2, 16)
+    v_cache = torch.empty_like(k_cache)
+    assert k_cache.numel() > 2**31
+    for cache in (k_cache, v_cache):  # random where read, a sentinel elsewhere (cheap to fill)
+        cache.fill_(7.0)
+        for b, length in enumerate(lengths):
+            n = length + seqlen_new
+            if block_table is None:
+                cache[b, :n] = torch.randn(n, heads, head_dim, dtype=dtype, device="cuda")
+            else:
+                cache[block_table[b].long()] = torch.randn(16, page_size, heads, head_dim, dtype=dtype, device="cuda")
+    q = torch.randn(2, seqlen_new, 32, head_dim, dtype=dtype, device="cuda")
+    k = torch.randn(2, seqlen_new, heads, head_dim, dtype=dtype, device="cuda")
+    v = torch.randn_like(k)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                                   block_table=block_table, return_lse=True)
+    for b, length in enumerate(lengths):
+        keys = reference.cache_prefix(k_cache, b, length + seqlen_new, block_table)
+        values = reference.cache_prefix(v_cache, b, length + seqlen_new, block_table)
+        assert torch.equal(keys[length:], k[b]) and torch.equal(values[length:], v[b])
+        assert_output_close(out[b:b + 1], q[b:b + 1], keys[None], values[None], causal=True, lse=lse[b:b + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_cuda_graph_replay_equals_eager_gpu(page_size):
+    """Capture one decode step (append + attend), replay it with new inputs: bitwise eager."""
+    lengths, heads, head_dim, dtype = (100, 3000, 0, 1234), (32, 8), 128, torch.bfloat16
+    k_cache, v_cache, block_table = make_cache(lengths, 4, heads[1], head_dim, dtype, page_size)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = torch.randn(4, 1, heads[0], head_dim, dtype=dtype, device="cuda")
+    k = torch.randn(4, 1, heads[1], head_dim, dtype=dtype, device="cuda")
+    v = torch.randn_like(k)
+
+    def step(kc, vc):
+        return flashkernel.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens,
+                                                   block_table=block_table, return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(k_cache, v_cache)  # warm-up: compiles, caches the workspace (the append is idempotent)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = step(k_cache, v_cache)
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        eager_k, eager_v = k_cache.clone(), v_cache.clone()
+        out_e, lse_e = step(eager_k, eager_v)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e)
+        assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+        seqlens.add_(1)
+
+
+@pytest.mark.gpu
+def test_decode_step_does_not_sync_gpu():
+    k_cache, v_cache, block_table = make_cache((500, 20), 1, 8, 128, torch.bfloat16, 16)
+    q = torch.randn(2, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    seqlens = torch.tensor([500, 20], dtype=torch.int32, device="cuda")
+    call = lambda: flashkernel.flash_attn_with_kvcache(  # noqa: E731
+        q, k_cache, v_cache, k=k, v=k, cache_seqlens=seqlens, block_table=block_table)
+    call()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
