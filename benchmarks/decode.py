@@ -44,7 +44,7 @@ COPY_BANDWIDTH = 4.24e12  # bytes/s, measured H200 copy bandwidth
 
 CANDIDATES = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3), (128, 4, 2)]
 SPLIT_FACTORS = (0.5, 1.0, 2.0)  # times the automatic split count
-SWEEP_SHAPES = ((1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096))
+SWEEP_SHAPES = ((1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096), (64, 32768))
 
 
 # ---- inputs -----------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def run_sweep(args) -> list[dict]:
         if batch * context > MAX_TOKENS:
             continue
         p = Problem(batch, context, args.dtype)
-        for layout in ("contiguous", "paged16"):
+        for layout in ("contiguous", "paged16", "paged256"):
             k_cache, v_cache, block_table = p.layout(layout)
             out = torch.empty_like(p.q)
             results = []
@@ -298,7 +298,8 @@ def auto_splits(p: Problem, k_cache, block_table, config) -> int:
     group = HEADS // KV_HEADS
     row_tiles = triton.cdiv(group, decode.pick_block_m(group, HEAD_DIM))
     sms = decode.sm_count(p.q.device, interpreted=False)
-    return decode.pick_num_splits(p.batch * KV_HEADS * row_tiles, geometry.capacity, config.block_n, sms, False)
+    return decode.pick_num_splits(p.batch * KV_HEADS * row_tiles, geometry.capacity, config.block_n, sms, False,
+                                  paged=block_table is not None)
 
 
 # ---- entry point ------------------------------------------------------------------------------

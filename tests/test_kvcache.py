@@ -275,7 +275,9 @@ def test_empty_inputs_return_without_launch(shape, monkeypatch):
 
 
 def test_auto_splits_depend_on_shapes_only():
-    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False) == 33
+    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False) == 17
+    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False,
+                                  paged=True) == 33
     assert decode.pick_num_splits(programs=512, capacity=131072, block_n=64, sms=132, interpreted=False) == 1
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 2
     assert decode.pick_num_splits(programs=1, capacity=10**6, block_n=64, sms=132, interpreted=False) == 128

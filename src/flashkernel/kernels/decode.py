@@ -56,19 +56,28 @@ class DecodeConfig:
     num_stages: int
 
 
-# Starting points for an H200 (bf16/fp16), keyed by padded head dim: a K and a V tile of
-# BLOCK_N x D per pipeline stage (32 KiB at D = 128). `benchmarks/decode.py --sweep-configs`
-# searches around them.
-HOPPER_TABLE = {
+# Tile and launch parameters for an H200 (bf16/fp16), keyed by padded head dim: a K and a V tile
+# of BLOCK_N x D per pipeline stage. Head dim 128 was swept (`benchmarks/decode.py
+# --sweep-configs`, docs/perf-notes.md); the other head dims are starting points.
+CONTIGUOUS_TABLE = {
     16: DecodeConfig(128, 4, 3),
     32: DecodeConfig(128, 4, 3),
     64: DecodeConfig(128, 4, 3),
-    128: DecodeConfig(64, 4, 3),
+    128: DecodeConfig(128, 4, 3),
     256: DecodeConfig(32, 4, 3),
 }
+# Pages shorter than a tile look a page up per row: shallower pipelines and long tiles win there;
+# pages of at least a tile prefer 64-row tiles, 4 stages deep.
+SMALL_PAGE_TABLE = {**CONTIGUOUS_TABLE, 128: DecodeConfig(128, 4, 2)}
+LARGE_PAGE_TABLE = {**CONTIGUOUS_TABLE, 128: DecodeConfig(64, 4, 4)}
+LARGE_PAGE = 64
 INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
 
-WAVES = 2  # auto splits aim for this many programs per SM
+# Auto splits aim for this many programs per SM: one wave for a contiguous cache, two for a paged
+# one (its per-page address lookups hide better with more programs in flight). Measured at B = 1,
+# 8, 64 on the H200: docs/perf-notes.md.
+WAVES_CONTIGUOUS = 1
+WAVES_PAGED = 2
 MIN_SPLIT_TOKENS = 256  # auto splits give each split at least this much of the capacity
 MAX_AUTO_SPLITS = 128
 INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; a small count still exercises splitting
@@ -391,11 +400,18 @@ class CacheGeometry:
         return CacheGeometry(page_size, block_table.shape[1] * page_size, k_cache.shape[0])
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool) -> DecodeConfig:
-    """Tile and launch parameters for one call (a table look-up, no autotuning)."""
+def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size: int = 0) -> DecodeConfig:
+    """Tile and launch parameters for one call (a table look-up, no autotuning).
+
+    ``page_size`` is 0 for a contiguous cache.
+    """
     if interpreted:
         return INTERPRETER_CONFIG
-    config = HOPPER_TABLE[padded_head_dim(head_dim)]
+    if page_size == 0:
+        table = CONTIGUOUS_TABLE
+    else:
+        table = LARGE_PAGE_TABLE if page_size >= LARGE_PAGE else SMALL_PAGE_TABLE
+    config = table[padded_head_dim(head_dim)]
     if dtype == torch.float32:
         return DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
     return config
@@ -424,13 +440,15 @@ def sm_count(device: torch.device, interpreted: bool) -> int:
     return _sm_count(index)
 
 
-def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool) -> int:
-    """Splits for ``programs`` (batch x kv heads x row tiles) programs: about WAVES per SM.
+def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool,
+                    paged: bool = False) -> int:
+    """Splits for ``programs`` (batch x kv heads x row tiles) programs: a wave or two per SM.
 
     Depends on shapes only (no look at the lengths, so no host sync). Each split gets at least
     ``MIN_SPLIT_TOKENS`` (one tile when interpreted) of the capacity.
     """
-    wanted = triton.cdiv(WAVES * sms, max(programs, 1))
+    waves = WAVES_PAGED if paged else WAVES_CONTIGUOUS
+    wanted = triton.cdiv(waves * sms, max(programs, 1))
     min_tokens = block_n if interpreted else max(block_n, MIN_SPLIT_TOKENS)
     by_context = max(1, triton.cdiv(capacity, min_tokens))
     return max(1, min(wanted, by_context, MAX_AUTO_SPLITS))
@@ -523,14 +541,15 @@ def decode_forward(
     geometry = CacheGeometry.of(k_cache, block_table)
     interpreted = is_interpreted(_decode_kernel)
     if config is None:
-        config = pick_config(head_dim, q.dtype, interpreted)
+        config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size)
     group = num_heads // num_kv_heads
     block_m = pick_block_m(group * seqlen_new, head_dim)
     num_row_tiles = triton.cdiv(group * seqlen_new, block_m)
     if num_splits == 0:
         programs = batch * num_kv_heads * num_row_tiles
         num_splits = pick_num_splits(programs, geometry.capacity, config.block_n,
-                                     sm_count(q.device, interpreted), interpreted)
+                                     sm_count(q.device, interpreted), interpreted,
+                                     paged=block_table is not None)
 
     if num_splits == 1:
         target, target_lse = out, lse
