@@ -275,7 +275,8 @@ def test_empty_inputs_return_without_launch(shape, monkeypatch):
 
 
 def test_auto_splits_depend_on_shapes_only():
-    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False) == 17
+    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False) == 16
+    assert decode.pick_num_splits(programs=64, capacity=131072, block_n=64, sms=132, interpreted=False) == 2
     assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False,
                                   paged=True) == 33
     assert decode.pick_num_splits(programs=512, capacity=131072, block_n=64, sms=132, interpreted=False) == 1
