@@ -30,6 +30,7 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False  # Triton's automatic warp specialization of the key loop
 
 
 # Tuned on an H200 (bf16; benchmarks/prefill.py --sweep-configs --tma 1 0), keyed by the padded
@@ -145,7 +146,7 @@ def _attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     num_m_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     if CAUSAL:
@@ -193,7 +194,7 @@ def _attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, full_end, BLOCK_N):
+    for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_src, v_src, start_n, offs_m, offs_n, offs_d,
             seqlen_k, stride_ks, stride_vs, causal_shift, qk_scale,
@@ -292,6 +293,7 @@ def attention_forward(
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             CAUSAL=causal, WRITE_LSE=lse is not None, USE_TMA=tma,
+            WARP_SPECIALIZE=config.warp_specialize,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **dot_flags(q.dtype, interpreted),
         )
