@@ -1,0 +1,400 @@
+"""``flashkernel check``: every public function against the float64 reference, on awkward shapes.
+
+Each case prints its max error, PyTorch's own max error in the same dtype
+(``reference.attention(..., upcast=False)``), their ratio, the LSE error and pass / fail under
+the rule of :mod:`flashkernel.bench.accuracy`. Cases: a fixed list of awkward shapes (lengths
+that are not tile multiples, ``seqlen_q != seqlen_k`` both ways, rows that see no key, GQA / MQA,
+odd head dims, fp32, a custom scale) plus seeded random ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from .. import reference
+from . import accuracy
+from .results import format_table
+
+LSE_RELATIVE_TOL = 5e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCase:
+    """``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]``."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    softmax_scale: float | None = None
+
+    def label(self) -> str:
+        scale = f" scale={self.softmax_scale}" if self.softmax_scale is not None else ""
+        return (f"{self.dtype} b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k} h={self.heads}/{self.kv_heads} "
+                f"d={self.head_dim} {'causal' if self.causal else 'full'}{scale}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheCase:
+    """A KV cache of ``capacity`` slots per sequence holding ``cache_seqlens[b]`` tokens; with
+    ``append`` the ``seqlen_q`` new tokens' keys/values are passed as ``k=``/``v=`` and written
+    into the cache first. ``page_size=0`` means a contiguous cache."""
+
+    cache_seqlens: tuple
+    capacity: int
+    seqlen_q: int
+    append: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int = 0
+    num_splits: int = 0
+    causal: bool = True
+
+    @property
+    def batch(self) -> int:
+        return len(self.cache_seqlens)
+
+    def label(self) -> str:
+        layout = f"paged{self.page_size}" if self.page_size else "contiguous"
+        extra = " +append" if self.append else ""
+        splits = f" splits={self.num_splits}" if self.num_splits else ""
+        mask = "" if self.causal else " full"
+        return (f"{self.dtype} lens={list(self.cache_seqlens)} sq={self.seqlen_q}{extra} "
+                f"h={self.heads}/{self.kv_heads} d={self.head_dim} {layout}{splits}{mask}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingCase:
+    """A :class:`flashkernel.KVCache` filled with prompts, then ``steps`` decode steps that append."""
+
+    prompt_lens: tuple
+    steps: int
+    page_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def label(self) -> str:
+        return (f"{self.dtype} prompts={list(self.prompt_lens)} pages{self.page_size} h={self.heads}/{self.kv_heads} "
+                f"d={self.head_dim}")
+
+
+@dataclasses.dataclass
+class CheckRow:
+    function: str
+    case: str
+    max_err: float | None = None
+    torch_err: float | None = None
+    ratio: float | None = None
+    lse_err: float | None = None
+    ok: bool = False
+    note: str = ""
+
+
+# --- case lists --------------------------------------------------------------------------------
+
+CPU_DENSE = [
+    DenseCase(1, 17, 17, 2, 1, 64, "float16", True),
+    DenseCase(2, 5, 33, 4, 2, 72, "bfloat16", True),
+    DenseCase(1, 33, 7, 2, 2, 40, "float16", True),
+    DenseCase(1, 20, 20, 3, 1, 8, "float32", False),
+    DenseCase(2, 31, 45, 2, 2, 128, "bfloat16", False),
+    DenseCase(1, 1, 50, 4, 4, 256, "float16", True),
+    DenseCase(1, 24, 24, 2, 2, 64, "float16", False, softmax_scale=0.5),
+]
+GPU_DENSE = [
+    DenseCase(2, 1000, 1000, 8, 2, 128, "bfloat16", True),
+    DenseCase(1, 4097, 4097, 4, 4, 64, "float16", True),
+    DenseCase(3, 129, 2049, 6, 3, 96, "bfloat16", True),
+    DenseCase(2, 2049, 129, 4, 1, 128, "float16", True),
+    DenseCase(1, 777, 777, 2, 2, 256, "bfloat16", False),
+    DenseCase(4, 1, 3001, 8, 1, 128, "bfloat16", True),
+    DenseCase(2, 300, 500, 4, 4, 8, "float32", False),
+    DenseCase(1, 512, 512, 4, 2, 64, "float16", True, softmax_scale=0.02),
+]
+CPU_KVCACHE = [
+    KVCacheCase((5, 40, 23), 40, 1, False, 4, 2, 64, "float16"),
+    KVCacheCase((5, 40, 23), 48, 1, False, 4, 2, 64, "bfloat16", page_size=16),
+    KVCacheCase((0, 17, 30), 48, 2, True, 4, 1, 32, "bfloat16", page_size=16),
+    KVCacheCase((0, 12), 16, 1, False, 2, 2, 64, "float16"),
+    KVCacheCase((50, 61), 64, 3, False, 4, 2, 64, "float16", num_splits=3),
+    KVCacheCase((9, 30), 40, 2, True, 2, 1, 40, "float32", page_size=8, causal=False),
+]
+GPU_KVCACHE = [
+    KVCacheCase((1, 1000, 4097, 333), 4160, 1, False, 32, 8, 128, "bfloat16"),
+    KVCacheCase((1, 1000, 4097, 333), 4160, 1, False, 32, 8, 128, "bfloat16", page_size=64),
+    KVCacheCase((0, 129, 2000), 2048, 4, True, 16, 4, 64, "float16", page_size=64),
+    KVCacheCase((0, 300), 320, 1, False, 8, 8, 128, "float16"),
+    KVCacheCase((30000, 7), 30016, 1, True, 32, 8, 128, "bfloat16", page_size=256, num_splits=7),
+    KVCacheCase((77, 5000), 5120, 3, True, 8, 2, 96, "float16", page_size=1, causal=False),
+]
+CPU_SERVING = [ServingCase((5, 33, 17), 2, 8, 4, 2, 32, "float16")]
+GPU_SERVING = [ServingCase((1000, 4097, 1), 3, 64, 32, 8, 128, "bfloat16")]
+CPU_LENGTHS = (1, 5, 17, 31, 33, 47)
+GPU_LENGTHS = (1, 7, 31, 63, 64, 65, 127, 129, 255, 257, 511, 1000, 1023, 2049)
+HEAD_LAYOUTS = ((4, 4), (4, 2), (4, 1), (6, 3), (8, 1))
+
+
+def random_dense_cases(count: int, seed: int, on_gpu: bool) -> list[DenseCase]:
+    """Seeded random awkward shapes."""
+    rng = random.Random(seed)
+    lengths = GPU_LENGTHS if on_gpu else CPU_LENGTHS
+    head_dims = tuple(range(8, 257, 8)) if on_gpu else (8, 24, 40, 64)
+    cases = []
+    for _ in range(count):
+        heads, kv_heads = rng.choice(HEAD_LAYOUTS if on_gpu else HEAD_LAYOUTS[:3])
+        dtype = rng.choice(("float16", "bfloat16", "bfloat16", "float16", "float32"))
+        cases.append(DenseCase(rng.choice((1, 2, 3)), rng.choice(lengths), rng.choice(lengths), heads, kv_heads,
+                               rng.choice(head_dims), dtype, rng.random() < 0.5))
+    return cases
+
+
+def dense_cases(on_gpu: bool, quick: bool, random_count: int, seed: int) -> list[DenseCase]:
+    fixed = GPU_DENSE if on_gpu else CPU_DENSE
+    if quick:
+        return fixed[:4] + random_dense_cases(min(random_count, 2 if on_gpu else 0), seed, on_gpu)
+    return fixed + random_dense_cases(random_count, seed, on_gpu)
+
+
+def kvcache_cases(on_gpu: bool, quick: bool) -> list[KVCacheCase]:
+    fixed = GPU_KVCACHE if on_gpu else CPU_KVCACHE
+    return fixed[:3] if quick else fixed
+
+
+# --- dense functions ---------------------------------------------------------------------------
+
+
+def lse_error(lse, truth_lse) -> tuple[float, str]:
+    """Max |lse - truth| over finite rows, and a problem note ('' when fine)."""
+    if lse is None:
+        return 0.0, "no lse returned"
+    if tuple(lse.shape) != tuple(truth_lse.shape):
+        return float("nan"), f"lse shape {tuple(lse.shape)}, expected {tuple(truth_lse.shape)}"
+    if not torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(truth_lse.cpu())):
+        return float("nan"), "rows with lse = -inf differ from the reference"
+    finite = torch.isfinite(truth_lse)
+    if not finite.any():
+        return 0.0, ""
+    err = (lse.double() - truth_lse)[finite].abs().max().item()
+    bound = LSE_RELATIVE_TOL * max(1.0, truth_lse[finite].abs().max().item())
+    return err, "" if err <= bound else f"lse error {err:.2e} > {bound:.2e}"
+
+
+def _row_from(function: str, label: str, acc: accuracy.Accuracy, lse_err: float, note: str) -> CheckRow:
+    problems = [note] if note else []
+    if not acc.ok:
+        problems.insert(0, "NaN in output" if acc.has_nan else f"max error over bound {acc.bound:.2e}")
+    return CheckRow(function, label, acc.max_err, acc.torch_err, acc.ratio, lse_err, not problems, "; ".join(problems))
+
+
+def check_dense(function: str, case: DenseCase, device: str) -> CheckRow:
+    """One call of ``flashkernel.<function>(q, k, v, causal=, softmax_scale=, return_lse=True)``."""
+    import flashkernel
+
+    dtype = getattr(torch, case.dtype)
+    q = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, dtype=dtype, device=device)
+    k = torch.randn(case.batch, case.seqlen_k, case.kv_heads, case.head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    fn = getattr(flashkernel, function)
+    out, lse = fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, return_lse=True)
+    shape_problem = accuracy.wrong_shape(out, q.shape)
+    if shape_problem:
+        return CheckRow(function, case.label(), note=shape_problem)
+    truth = accuracy.dense_truth(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)
+    acc = accuracy.compare(out, truth)
+    _, truth_lse = reference.attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)
+    lse_err, note = lse_error(lse, truth_lse)
+    return _row_from(function, case.label(), acc, lse_err, note)
+
+
+# --- flash_attn_with_kvcache -------------------------------------------------------------------
+
+
+def _kvcache_inputs(case: KVCacheCase, device: str) -> dict:
+    """Random cache (contiguous, or pages in a shuffled order), queries and new tokens."""
+    dtype = getattr(torch, case.dtype)
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    batch, kv_heads, head_dim = case.batch, case.kv_heads, case.head_dim
+    inputs = {"q": randn(batch, case.seqlen_q, case.heads, head_dim), "k": None, "v": None, "block_table": None,
+              "cache_seqlens": torch.tensor(case.cache_seqlens, dtype=torch.int32, device=device)}
+    if case.append:
+        new_tokens = (batch, case.seqlen_q, kv_heads, head_dim)
+        inputs.update(k=randn(*new_tokens), v=randn(*new_tokens))
+    if case.page_size:
+        blocks = -(-case.capacity // case.page_size)
+        order = torch.randperm(batch * blocks, device=device).to(torch.int32)
+        inputs["block_table"] = order.view(batch, blocks)
+        shape = (batch * blocks, case.page_size, kv_heads, head_dim)
+    else:
+        shape = (batch, case.capacity, kv_heads, head_dim)
+    inputs.update(k_cache=randn(*shape), v_cache=randn(*shape))
+    return inputs
+
+
+def _kvcache_reference(inputs: dict, case: KVCacheCase, upcast: bool):
+    return reference.attention_with_kvcache(
+        inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], k=inputs["k"], v=inputs["v"],
+        block_table=inputs["block_table"], causal=case.causal, upcast=upcast,
+    )
+
+
+def per_sequence_truth(q, keys: list, values: list) -> accuracy.Truth:
+    """Truth for ``q [B, Sq, H, D]`` where sequence b attends (bottom-right causal) to
+    ``keys[b], values[b] [L_b, Hkv, D]``."""
+    truth = accuracy.Truth([], [], [])
+    for b, (k, v) in enumerate(zip(keys, values)):
+        one = accuracy.dense_truth(q[b : b + 1], k[None], v[None], causal=True)
+        truth.windows.append(accuracy.Window(b, 0, q.shape[1]))
+        truth.truth += one.truth
+        truth.torch_out += one.torch_out
+    return truth
+
+
+def _cache_update_note(before: dict, after: dict, case: KVCacheCase) -> str:
+    """'' when the caches hold exactly the appended tokens and nothing else changed."""
+    for name in ("k", "v"):
+        expected = before[f"{name}_cache"]
+        if case.append:
+            expected = reference.append_to_cache(expected, before[name], before["cache_seqlens"], before["block_table"])
+        if not torch.equal(after[f"{name}_cache"], expected):
+            return f"{name}_cache after the call differs from the expected append"
+    return ""
+
+
+def check_kvcache(case: KVCacheCase, device: str) -> CheckRow:
+    """``flash_attn_with_kvcache`` (contiguous or paged, with or without appended tokens)."""
+    import flashkernel
+
+    before = _kvcache_inputs(case, device)
+    after = {**before, "k_cache": before["k_cache"].clone(), "v_cache": before["v_cache"].clone()}
+    out, lse = flashkernel.flash_attn_with_kvcache(
+        after["q"], after["k_cache"], after["v_cache"], k=after["k"], v=after["v"],
+        cache_seqlens=after["cache_seqlens"], block_table=after["block_table"], causal=case.causal,
+        num_splits=case.num_splits, return_lse=True,
+    )
+    shape_problem = accuracy.wrong_shape(out, before["q"].shape)
+    if shape_problem:
+        return CheckRow("flash_attn_with_kvcache", case.label(), note=shape_problem)
+    exact, truth_lse = _kvcache_reference(before, case, upcast=True)
+    same_dtype, _ = _kvcache_reference(before, case, upcast=False)
+    windows = [accuracy.Window(b, 0, case.seqlen_q) for b in range(case.batch)]
+    truth = accuracy.Truth(windows, [exact[b : b + 1] for b in range(case.batch)],
+                           [same_dtype[b : b + 1] for b in range(case.batch)])
+    acc = accuracy.compare(out, truth)
+    lse_err, note = lse_error(lse, truth_lse)
+    note = "; ".join(n for n in (note, _cache_update_note(before, after, case)) if n)
+    return _row_from("flash_attn_with_kvcache", case.label(), acc, lse_err, note)
+
+
+def check_serving(case: ServingCase, device: str) -> list[CheckRow]:
+    """Prompts appended with ``KVCache.append``, then decode steps through ``reserve`` /
+    ``flash_attn_with_kvcache(k=, v=)`` / ``advance``; each step checked against the reference
+    over the tokens the test itself remembers."""
+    import flashkernel
+
+    dtype = getattr(torch, case.dtype)
+    batch, kv_heads, head_dim = len(case.prompt_lens), case.kv_heads, case.head_dim
+    blocks_per_seq = -(-(max(case.prompt_lens) + case.steps) // case.page_size)
+    cache = flashkernel.KVCache(num_blocks=batch * blocks_per_seq + 3, page_size=case.page_size, num_kv_heads=kv_heads,
+                                head_dim=head_dim, batch=batch, max_blocks_per_seq=blocks_per_seq, dtype=dtype,
+                                device=device, shuffle_pages=True)
+    keys = [torch.randn(n, kv_heads, head_dim, dtype=dtype, device=device) for n in case.prompt_lens]
+    values = [torch.randn_like(k) for k in keys]
+    for seq, (k, v) in enumerate(zip(keys, values)):
+        cache.append(seq, k, v)
+    rows = []
+    for step in range(case.steps):
+        q = torch.randn(batch, 1, case.heads, head_dim, dtype=dtype, device=device)
+        k_new = torch.randn(batch, 1, kv_heads, head_dim, dtype=dtype, device=device)
+        v_new = torch.randn_like(k_new)
+        cache.reserve(1)
+        out = flashkernel.flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages, k=k_new, v=v_new,
+                                                  cache_seqlens=cache.cache_seqlens, block_table=cache.block_table)
+        cache.advance(1)
+        keys = [torch.cat([k, k_new[b]]) for b, k in enumerate(keys)]
+        values = [torch.cat([v, v_new[b]]) for b, v in enumerate(values)]
+        acc = accuracy.compare(out, per_sequence_truth(q, keys, values))
+        rows.append(_row_from("KVCache", f"{case.label()} step {step + 1}", acc, None, ""))
+    return rows
+
+
+# --- the sweep ---------------------------------------------------------------------------------
+
+DENSE_FUNCTIONS = ("flash_attn_func", "standard_attention")
+KVCACHE_FUNCTIONS = ("flash_attn_with_kvcache", "KVCache")
+
+
+def unchecked_public_names() -> list[str]:
+    """Public names of flashkernel with no check here (reported, so new functions are not forgotten)."""
+    import flashkernel
+
+    covered = set(DENSE_FUNCTIONS) | set(KVCACHE_FUNCTIONS) | {"reference"}
+    return [name for name in getattr(flashkernel, "__all__", []) if name not in covered]
+
+
+def _guarded(function: str, label: str, run) -> list[CheckRow]:
+    """The check's row(s); an exception becomes a failed row naming it."""
+    try:
+        result = run()
+    except Exception as exc:
+        return [CheckRow(function, label, note=f"raised {type(exc).__name__}: {str(exc)[:200]}")]
+    return result if isinstance(result, list) else [result]
+
+
+def planned_checks(device: str, quick: bool, random_count: int, seed: int) -> list[tuple[str, str, object]]:
+    """``(function, case label, zero-argument check)`` for everything this build offers."""
+    import flashkernel
+
+    on_gpu = device == "cuda"
+    plan = []
+    for function in DENSE_FUNCTIONS:
+        if hasattr(flashkernel, function):
+            for case in dense_cases(on_gpu, quick, random_count, seed):
+                plan.append((function, case.label(), lambda f=function, c=case: check_dense(f, c, device)))
+    if hasattr(flashkernel, "flash_attn_with_kvcache"):
+        for case in kvcache_cases(on_gpu, quick):
+            plan.append(("flash_attn_with_kvcache", case.label(), lambda c=case: check_kvcache(c, device)))
+    if hasattr(flashkernel, "KVCache") and hasattr(flashkernel, "flash_attn_with_kvcache"):
+        for case in GPU_SERVING if on_gpu else CPU_SERVING:
+            plan.append(("KVCache", case.label(), lambda c=case: check_serving(c, device)))
+    return plan
+
+
+def run_checks(device: str, quick: bool = False, random_count: int = 4, seed: int = 0, progress=None) -> list[CheckRow]:
+    rows = []
+    for index, (function, label, run) in enumerate(planned_checks(device, quick, random_count, seed)):
+        if progress:
+            progress.show(f"{function} {label}")
+        torch.manual_seed(seed * 100003 + index)
+        rows.extend(_guarded(function, label, run))
+        if progress:
+            progress.step()
+    return rows
+
+
+def _fmt(value, spec: str = ".2e") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def check_table(rows: list[CheckRow]) -> str:
+    body = [[r.function, r.case, _fmt(r.max_err), _fmt(r.torch_err), _fmt(r.ratio, ".2f"), _fmt(r.lse_err),
+             "pass" if r.ok else "FAIL"] for r in rows]
+    return format_table(["function", "case", "max err", "torch err", "ratio", "lse err", "result"], body,
+                        text_columns=2)
+
+
+def failure_lines(rows: list[CheckRow]) -> list[str]:
+    return [f"FAIL {r.function} {r.case}: {r.note}" for r in rows if not r.ok]
