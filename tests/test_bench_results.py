@@ -161,3 +161,13 @@ def test_info_lines():
                                         FACTS))
     assert "Fake GPU" in gpu and "SMs: 132" in gpu and "50 MiB" in gpu and "4100 GB/s" in gpu and "750 TFLOP/s" in gpu
     assert math.isclose(141.0, float(re.search(r"memory: ([\d.]+) GiB", gpu).group(1)))
+
+
+def test_git_commit_falls_back_to_environment(tmp_path, monkeypatch):
+    """A tree copied without .git (the lent GPU machine) reports the commit the caller passes."""
+    from flashkernel.bench import results
+
+    monkeypatch.setenv("FLASHKERNEL_GIT_COMMIT", "0123abcd")
+    assert results.git_commit(tmp_path) == "0123abcd"
+    monkeypatch.delenv("FLASHKERNEL_GIT_COMMIT")
+    assert results.git_commit(tmp_path) == ""

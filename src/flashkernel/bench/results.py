@@ -12,6 +12,7 @@ import csv
 import datetime
 import json
 import math
+import os
 import platform
 import shlex
 import subprocess
@@ -37,17 +38,22 @@ STATUS_MARK = {"wrong": "WRONG", "error": "error", "oom": "OOM"}
 
 
 def git_commit(path: Path) -> str:
-    """``HEAD``'s hash of the checkout holding ``path`` (with ``+dirty`` when modified), or ''."""
+    """``HEAD``'s hash of the checkout holding ``path`` (with ``+dirty`` when modified).
+
+    A copy of the tree without ``.git`` (as on a lent GPU machine) reports the
+    ``FLASHKERNEL_GIT_COMMIT`` environment variable, which the caller sets; else ''.
+    """
     def git(*args):
         return subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, timeout=10)
 
+    fallback = os.environ.get("FLASHKERNEL_GIT_COMMIT", "")
     try:
         head = git("rev-parse", "HEAD")
         if head.returncode != 0:
-            return ""
+            return fallback
         dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return fallback
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
