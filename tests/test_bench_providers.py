@@ -122,16 +122,21 @@ def test_bottom_right_mask_mod_matches_the_reference():
 
 
 @pytest.fixture
-def dynamo_config(monkeypatch):
-    """Restore dynamo's settings and caches after a test changes them."""
+def dynamo_config():
+    """Restore dynamo's settings and caches after a test changes them.
+
+    Saved and restored by hand: pytest >= 9.2's monkeypatch deletes attributes of torch's
+    ConfigModule on teardown (they are not in its ``__dict__``), which breaks dynamo afterwards.
+    """
     import torch._dynamo
 
     config = torch._dynamo.config
-    for name in (*flex._LIMIT_NAMES, "fail_on_recompile_limit_hit"):
-        if hasattr(config, name):
-            monkeypatch.setattr(config, name, getattr(config, name))
+    names = (*flex._LIMIT_NAMES, "fail_on_recompile_limit_hit")
+    saved = {name: getattr(config, name) for name in names if hasattr(config, name)}
     torch._dynamo.reset()
     yield config
+    for name, value in saved.items():
+        setattr(config, name, value)
     torch._dynamo.reset()
 
 
