@@ -25,19 +25,36 @@ def describe_mismatch(err: torch.Tensor, bound: float) -> str:
     return f"{int(bad.sum())} of {err.numel()} elements over {bound:.3e}; first at {where}"
 
 
-def assert_output_close(out, q, k, v, *, causal=False, softmax_scale=None, lse=None):
+def assert_output_close(out, q, k, v, *, causal=False, softmax_scale=None, lse=None, **variant):
     """Assert ``out`` (and ``lse``) match the float64 reference.
 
-    The bound is relative to PyTorch's own error in the input dtype: the max error may be at
-    most 2x PyTorch's plus one unit of the dtype's epsilon times the largest output (the
-    rounding of the output itself), and likewise for the mean error.
+    ``variant`` holds the reference's variant keywords (``window_size``, ``softcap``,
+    ``alibi_slopes``, ``sinks``). The bound is relative to PyTorch's own error in the input
+    dtype: the max error may be at most 2x PyTorch's plus one unit of the dtype's epsilon times
+    the largest output (the rounding of the output itself), and likewise for the mean error.
     """
+    truth, truth_lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **variant)
+    torch_out, _ = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=False,
+                                       **variant)
+    assert_close_to_truth(out, lse, truth, truth_lse, torch_out, q.dtype)
+
+
+def assert_varlen_close(out, q, k, v, cu_seqlens_q, cu_seqlens_k, *, lse=None, **kwargs):
+    """:func:`assert_output_close` for packed sequences (``reference.attention_varlen``)."""
+    truth, truth_lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
+    torch_out, _ = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, upcast=False, **kwargs)
+    assert_close_to_truth(out, lse, truth, truth_lse, torch_out, q.dtype)
+
+
+def assert_close_to_truth(out, lse, truth, truth_lse, torch_out, dtype):
+    """The error bounds of :func:`assert_output_close`, given the reference results."""
     assert not torch.isnan(out).any(), f"NaN in output: {int(torch.isnan(out).sum())} elements"
-    truth, truth_lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    torch_out, _ = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=False)
+    assert out.shape == truth.shape, f"output shape {tuple(out.shape)} != {tuple(truth.shape)}"
     err = (out.double() - truth).abs()
     torch_err = (torch_out.double() - truth).abs()
-    floor = torch.finfo(q.dtype).eps * max(1.0, truth.abs().max().item())
+    floor = torch.finfo(dtype).eps * max(1.0, truth.abs().max().item() if truth.numel() else 0.0)
+    if err.numel() == 0:
+        return
     max_bound = 2 * torch_err.max().item() + floor
     assert err.max().item() <= max_bound, describe_mismatch(err, max_bound)
     mean_bound = 2 * torch_err.mean().item() + floor / 8

@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "flash_attn_func": "interface",
+    "flash_attn_varlen_func": "interface",
     "standard_attention": "interface",
     "flash_attn_with_kvcache": "interface",
     "KVCache": "kvcache",

@@ -325,3 +325,173 @@ def check_kvcache_values(
             f"{num_blocks} blocks (k_cache.shape[0]); sequence {b} uses its first "
             f"{int(pages_used[b])} entries"
         )
+
+
+# --- attention variants (window, softcap, ALiBi, sinks) ---------------------------------------
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """``(left, right)``: each an int, -1 (unbounded) or >= 0. Returns it as a tuple of ints."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(
+            f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
+            f"{type(window_size).__name__} {window_size!r}"
+        )
+    for side, value in zip(("left", "right"), window_size):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"window_size {side} must be an int, got {type(value).__name__} {value!r}"
+            )
+        if value < -1:
+            raise ValueError(
+                f"window_size {side} is {value}; each side must be -1 (unbounded) or a number of "
+                "keys >= 0"
+            )
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    """A finite real ``>= 0``; 0 turns the cap off."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__} {softcap!r}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {softcap!r}")
+    return value
+
+
+def _check_float32_param(name: str, x, shapes: list[tuple[int, ...]], what: str, q) -> None:
+    check_tensor(name, x)
+    if x.dtype != torch.float32:
+        raise TypeError(
+            f"{name} has dtype {_dtype_name(x.dtype)}; it must be float32 (call .float() on it)"
+        )
+    if tuple(x.shape) not in shapes:
+        accepted = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {accepted} ({what}), got {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device} but q is on {q.device}: move it to q's device")
+
+
+def check_alibi_slopes(alibi_slopes, batch: int, num_heads: int, q) -> None:
+    """None, or float32 ``[num_heads]`` / ``[batch, num_heads]`` on q's device (values unread)."""
+    if alibi_slopes is not None:
+        _check_float32_param("alibi_slopes", alibi_slopes, [(num_heads,), (batch, num_heads)],
+                             "one slope per query head, or per sequence and query head", q)
+
+
+def check_sinks(sinks, num_heads: int, q) -> None:
+    """None, or float32 ``[num_heads]`` on q's device (values unread; -inf means no sink)."""
+    if sinks is not None:
+        _check_float32_param("sinks", sinks, [(num_heads,)], "one logit per query head", q)
+
+
+NO_WINDOW = (-1, -1)  # the default window_size of the public functions
+
+
+def check_variant(q, batch: int, num_heads: int, window_size, softcap, alibi_slopes, sinks):
+    """All variant arguments of one call; returns the normalized ``(window_size, softcap)``."""
+    if (window_size is NO_WINDOW and type(softcap) is float and softcap == 0.0
+            and alibi_slopes is None and sinks is None):
+        return NO_WINDOW, 0.0  # the defaults: nothing to check (a decode step's hot path)
+    window = check_window_size(window_size)
+    cap = check_softcap(softcap)
+    check_alibi_slopes(alibi_slopes, batch, num_heads, q)
+    check_sinks(sinks, num_heads, q)
+    return window, cap
+
+
+# --- flash_attn_varlen_func --------------------------------------------------------------------
+
+
+def check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_cu_seqlens(name: str, x) -> None:
+    check_tensor(name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; it must be int32 (call .int() on it)")
+    if x.dim() != 1 or x.shape[0] < 1:
+        raise ValueError(
+            f"{name} must be 1-D of length batch + 1 (cumulative sequence lengths starting at 0), "
+            f"got shape {tuple(x.shape)}"
+        )
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        interpreted: bool) -> tuple[int, int]:
+    """Shapes, dtypes and devices of packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``.
+
+    Returns ``(max_seqlen_q, max_seqlen_k)`` as ints. No tensor data is read.
+    """
+    named = (("q", q), ("k", k), ("v", v))
+    for name, x in named:
+        check_tensor(name, x)
+    for name, x in named:
+        check_rank(name, x, 3, "[total_tokens, heads, head_dim]")
+    for name, x in named:
+        check_dtype(name, x)
+    check_same_dtype(named)
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries and cu_seqlens_k has "
+            f"{cu_seqlens_k.shape[0]}: both must have batch + 1"
+        )
+    check_same_device(named + (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    check_device("q", q, interpreted)
+    head_dim = q.shape[2]
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[2] != head_dim:
+            raise ValueError(
+                f"{name} has head_dim {x.shape[2]} but q has head_dim {head_dim}: "
+                "q, k and v must share one head_dim"
+            )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k has shape {tuple(k.shape)} and v has shape {tuple(v.shape)}: k and v must "
+            "have the same number of tokens and heads"
+        )
+    check_head_dim("q", head_dim)
+    check_kv_heads(q.shape[1], k.shape[1])
+    for name, x in named:
+        check_last_dim_contiguous(name, x)
+    return check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
+
+
+def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
+                        max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Offsets start at 0, never decrease, end at the number of tokens, and no sequence is
+    longer than its ``max_seqlen``. Reads tensor data: a device->host copy on GPU."""
+    for name, cu, total, max_name, max_len, tensor in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q, "q"),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k, "k"),
+    ):
+        offsets = cu.detach().to("cpu", torch.int64)
+        if int(offsets[0]) != 0:
+            raise ValueError(f"{name}[0] = {int(offsets[0])}; cumulative lengths must start at 0")
+        lengths = offsets[1:] - offsets[:-1]
+        shrinking = (lengths < 0).nonzero()
+        if shrinking.numel():
+            b = int(shrinking[0, 0])
+            raise ValueError(
+                f"{name} decreases: {name}[{b + 1}] = {int(offsets[b + 1])} < {name}[{b}] = "
+                f"{int(offsets[b])}; cumulative lengths must not decrease"
+            )
+        if int(offsets[-1]) != total:
+            raise ValueError(
+                f"{name}[-1] = {int(offsets[-1])} but {tensor} has {total} tokens: the last "
+                "cumulative length must equal the number of packed tokens"
+            )
+        if lengths.numel() and int(lengths.max()) > max_len:
+            b = int(lengths.argmax())
+            raise ValueError(
+                f"sequence {b} has {int(lengths[b])} tokens ({name}) but {max_name} = {max_len}: "
+                f"{max_name} must be at least the longest sequence"
+            )

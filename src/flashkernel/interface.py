@@ -12,7 +12,7 @@ from . import _checks
 from .kernels import decode, naive, prefill
 from .kernels._common import is_interpreted
 
-__all__ = ["flash_attn_func", "flash_attn_with_kvcache", "standard_attention"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "standard_attention"]
 
 MAX_NAIVE_ROWS = 65535  # grid-axis limit of the naive kernels' (batch * heads) axis
 
@@ -34,12 +34,26 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _empty_results(q: torch.Tensor, want_lse: bool):
-    """Outputs for calls that need no launch: batch or seqlen_q is 0, or there are no keys."""
-    batch, seqlen_q, num_heads, _ = q.shape
+def _empty_results(q: torch.Tensor, want_lse: bool, sinks: torch.Tensor | None = None):
+    """Outputs for calls that need no launch: batch or seqlen_q is 0, or there are no keys.
+
+    Every row sees no key: output 0 and LSE -inf, or LSE = the head's sink with ``sinks``.
+    ``q`` is ``[B, Sq, Hq, D]`` (LSE ``[B, Hq, Sq]``) or packed ``[total_q, Hq, D]`` (LSE
+    ``[Hq, total_q]``).
+    """
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    lse = torch.full((batch, num_heads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
-    return out, (lse if want_lse else None)
+    if not want_lse:
+        return out, None
+    if q.dim() == 4:
+        batch, seqlen_q, num_heads, _ = q.shape
+        shape, head_axis = (batch, num_heads, seqlen_q), (None, slice(None), None)
+    else:
+        total_q, num_heads, _ = q.shape
+        shape, head_axis = (num_heads, total_q), (slice(None), None)
+    lse = torch.full(shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if sinks is not None:
+        lse.copy_(sinks[head_axis].expand(shape))
+    return out, lse
 
 
 def flash_attn_func(
@@ -49,6 +63,10 @@ def flash_attn_func(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = _checks.NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """Exact attention, fused in one kernel: ``softmax(scale * q k^T [+ mask]) v``.
@@ -80,7 +98,33 @@ def flash_attn_func(
 
             A query row that sees no key returns 0 (and LSE = -inf), never NaN.
         softmax_scale: scale applied to ``q k^T``; default ``1 / sqrt(head_dim)``.
+        window_size: ``(left, right)``, local (sliding-window) attention; -1 = unbounded side,
+            ``(-1, -1)`` (default) = no window. Query ``i`` sees keys ``j`` with
+            ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (aligned bottom-right like
+            ``causal``). ``causal=True`` sets ``right = 0`` (so the two combine as the
+            intersection of their masks; FlashAttention's rule). Key tiles outside every
+            row's window are skipped, so time falls with the window. ``Sq = 4, Sk = 6``,
+            window ``(1, 0)``::
+
+                0 1 1 0 0 0
+                0 0 1 1 0 0
+                0 0 0 1 1 0
+                0 0 0 0 1 1
+
+        softcap: cap scores at ``softcap * tanh(score / softcap)`` before the softmax, where
+            ``score = softmax_scale * q.k`` (the scale applies inside the tanh, as in
+            FlashAttention and Gemma 2); 0 (default) = off.
+        alibi_slopes: float32 ``[num_heads]`` or ``[batch, num_heads]``: add
+            ``-slope * |i + Sk - Sq - j|`` to the (capped) scores, with or without ``causal``.
+        sinks: float32 ``[num_heads]``: a per-head logit that joins the softmax denominator
+            with no value vector (gpt-oss): ``out = sum_j e^(s_j) v_j / (e^sink + sum_j
+            e^(s_j))``. The returned LSE includes it; a row that sees no key returns 0 with
+            LSE = sink. The sink is compared with the final scores as is (not scaled or capped).
         return_lse: also return the log-sum-exp of each row.
+
+    The variants combine freely with each other, ``causal`` and GQA; order of operations:
+    scale, cap, ALiBi bias, masks, softmax with the sink (``reference.py`` is the spec). Each
+    is compiled in only when used: a plain call runs the same code as without them.
 
     Returns:
         ``out [batch, seqlen_q, num_heads, head_dim]`` in the input dtype (contiguous), and with
@@ -96,13 +140,99 @@ def flash_attn_func(
     """
     scale = _validate_dense(q, k, v, causal, softmax_scale, return_lse)
     batch, seqlen_q, num_heads, head_dim = q.shape
+    window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
     seqlen_k = k.shape[1]
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
-        out, lse = _empty_results(q, return_lse)
+        out, lse = _empty_results(q, return_lse, sinks)
     else:
         out = _empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
         lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device) if return_lse else None
-        prefill.attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=scale)
+        prefill.attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                  window_size=window, softcap=cap, alibi_slopes=alibi_slopes,
+                                  sinks=sinks)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = _checks.NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool | None = None,
+):
+    """Attention over packed sequences of different lengths, with no padding.
+
+    Sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of ``q`` and rows
+    ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of ``k, v``; it attends to its own keys only,
+    exactly as :func:`flash_attn_func` on that sequence alone would (masks and ALiBi aligned
+    bottom-right to its own lengths ``Sq_b, Sk_b``).
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]``; k, v: ``[total_k, num_kv_heads, head_dim]``.
+            dtypes, head dims, GQA and strides as in :func:`flash_attn_func`.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]``, cumulative lengths: start at 0,
+            never decrease, end at ``total_q`` / ``total_k``. Sequences may be empty.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest query / key sequence. They pick
+            tile configurations and bound the launch grid (no device-to-host copy of the
+            lengths is made); a value below the true maximum can leave rows unwritten.
+        causal, softmax_scale, window_size, softcap, sinks, return_lse: as in
+            :func:`flash_attn_func`, per sequence.
+        alibi_slopes: float32 ``[num_heads]`` or ``[batch, num_heads]`` (row ``b`` for
+            sequence ``b``).
+        validate: check the values of ``cu_seqlens_*`` (start at 0, non-decreasing, last =
+            number of tokens) and the ``max_seqlen_*`` against them. That reads the tensors, a
+            device-to-host sync on GPU, so ``None`` (default) checks only when they live on the
+            CPU; ``True`` always checks (not inside CUDA-graph capture), ``False`` never.
+            Unchecked bad offsets give unspecified results but no out-of-bounds memory access
+            (the kernel clamps them to ``[0, total]``).
+
+    Work: one program per (query tile of a sequence, head); the tiles of all sequences are laid
+    end to end in one grid axis and each program finds its sequence from ``cu_seqlens_q`` on
+    the device. So no tile is spent on padding, and the host never reads the lengths.
+
+    Returns:
+        ``out [total_q, num_heads, head_dim]`` in q's dtype, and with ``return_lse=True`` also
+        ``lse [num_heads, total_q]`` float32, natural log.
+
+    Example (three sequences of 5, 300 and 17 tokens)::
+
+        >>> lengths = torch.tensor([5, 300, 17], device="cuda")
+        >>> cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()   # [0, 5, 305, 322]
+        >>> q = torch.randn(322, 32, 128, device="cuda", dtype=torch.bfloat16)
+        >>> k = torch.randn(322, 8, 128, device="cuda", dtype=torch.bfloat16)
+        >>> out = flash_attn_varlen_func(q, k, torch.randn_like(k), cu, cu, 300, 300, causal=True)
+    """
+    interpreted = kernels_interpreted()
+    max_q, max_k = _checks.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, interpreted)
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        _checks.check_flag(name, flag)
+    _checks.check_optional_flag("validate", validate)
+    scale = _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    batch = cu_seqlens_q.shape[0] - 1
+    total_q, num_heads, head_dim = q.shape
+    window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
+    if validate or (validate is None and cu_seqlens_q.device.type == "cpu"):
+        _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], max_q, max_k)
+    if batch == 0 or total_q == 0 or k.shape[0] == 0 or max_q == 0:
+        out, lse = _empty_results(q, return_lse, sinks)
+    else:
+        out = _empty((total_q, num_heads, head_dim), q.dtype, q.device)
+        lse = _empty((num_heads, total_q), torch.float32, q.device) if return_lse else None
+        prefill.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, lse,
+                               causal=causal, softmax_scale=scale, window_size=window,
+                               softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -165,6 +295,10 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = _checks.NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int = 0,
     return_lse: bool = False,
     validate: bool | None = None,
@@ -206,6 +340,15 @@ def flash_attn_with_kvcache(
             Without ``k, v`` and ``L < seqlen_q`` the first ``seqlen_q - L`` queries see no
             key and return 0 (LSE -inf). With ``causal=False`` every query sees ``[0, L)``.
         softmax_scale: scale applied to ``q k^T``; default ``1 / sqrt(head_dim)``.
+        window_size: ``(left, right)``, -1 = unbounded, aligned to each sequence's end: new
+            token ``t`` (position ``L - seqlen_q + t``) sees keys ``j`` with ``L - seqlen_q + t
+            - left <= j <= L - seqlen_q + t + right``; ``causal=True`` sets ``right = 0``. Only
+            the tiles inside the window are read (and split), so a decode step with a window
+            of ``w`` reads about ``w`` keys whatever the context length.
+        softcap, alibi_slopes (``[num_heads]`` or ``[batch, num_heads]``), sinks
+            (``[num_heads]``): as in :func:`flash_attn_func`; the ALiBi distance of new token
+            ``t`` to key ``j`` is ``|L - seqlen_q + t - j|``. A sequence with no key returns 0
+            and LSE = sink.
         num_splits: split each sequence's context over this many programs per (sequence, KV
             head) and merge the parts exactly by log-sum-exp; 0 (default) picks it from the
             GPU's SM count and the cache capacity (shapes only). 1 disables splitting.
@@ -245,13 +388,15 @@ def flash_attn_with_kvcache(
     scale = _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                               softmax_scale, num_splits, return_lse, validate)
     batch, seqlen_q, num_heads, head_dim = q.shape
+    window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
     if batch == 0 or seqlen_q == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0:
-        out, lse = _empty_results(q, return_lse)
+        out, lse = _empty_results(q, return_lse, sinks)
     else:
         out = _empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
         lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device) if return_lse else None
         decode.decode_forward(
             q, k_cache, v_cache, cache_seqlens, block_table, out, lse, k_new=k, v_new=v,
-            causal=causal, softmax_scale=scale, num_splits=num_splits,
+            causal=causal, softmax_scale=scale, num_splits=num_splits, window_size=window,
+            softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks,
         )
     return (out, lse) if return_lse else out

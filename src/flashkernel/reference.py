@@ -25,6 +25,50 @@ Semantics
 
 * a query row that sees no key has output 0 and log-sum-exp ``-inf`` (never NaN).
 * ``lse [B, Hq, Sq]`` is the natural-log log-sum-exp of the scaled, masked scores.
+
+Variants (any combination; each is off by default)
+--------------------------------------------------
+Row ``i`` of ``Sq`` queries over ``Sk`` keys has *position* ``p_i = i + Sk - Sq`` (bottom-right
+alignment, as for causal). In this order:
+
+1. ``s = softmax_scale * <q_i, k_j>``.
+2. ``softcap > 0``: ``s = softcap * tanh(s / softcap)``. The scale applies *inside* the cap
+   (FlashAttention's semantics: ``softcap * tanh(q.k * scale / softcap)``); scores stay in
+   ``(-softcap, softcap)``.
+3. ``alibi_slopes`` (``[Hq]`` or ``[B, Hq]``): ``s = s - slope[b, h] * |p_i - j|``, after the
+   cap (the bias is not capped). This holds with and without causal, so LSE includes the bias.
+4. masks: ``causal`` and ``window_size = (left, right)`` (``-1`` = unbounded side): key ``j``
+   is visible iff ``p_i - left <= j <= p_i + right``; ``causal=True`` sets ``right = 0``, so
+   causal is the window ``(-1, 0)`` and causal with a window is the intersection of both
+   (FlashAttention's rule). ``Sq = 4, Sk = 6`` (positions 2..5), 1 = visible::
+
+       window (1, 0) / causal + (1, -1)     window (1, 1)            window (-1, 1)
+       keys ->   0 1 2 3 4 5                0 1 2 3 4 5              0 1 2 3 4 5
+       query 0   0 1 1 0 0 0                0 1 1 1 0 0              1 1 1 1 0 0
+       query 1   0 0 1 1 0 0                0 0 1 1 1 0              1 1 1 1 1 0
+       query 2   0 0 0 1 1 0                0 0 0 1 1 1              1 1 1 1 1 1
+       query 3   0 0 0 0 1 1                0 0 0 0 1 1              1 1 1 1 1 1
+
+   and with ``Sq = 4, Sk = 2`` (positions -2..1) window ``(0, 0)`` lets only the last two
+   queries see a key (their diagonal)::
+
+       keys ->   0 1
+       query 0   0 0
+       query 1   0 0
+       query 2   1 0
+       query 3   0 1
+
+5. ``sinks [Hq]``: a per-head logit that joins the softmax denominator and has no value
+   vector (gpt-oss, StreamingLLM). It is compared with the final scores as they are (not
+   scaled, capped or biased)::
+
+       out_i = sum_j exp(s_ij - m) v_j / (exp(sink_h - m) + sum_j exp(s_ij - m))
+       lse_i = log(exp(sink_h) + sum_j exp(s_ij))         (the LSE includes the sink)
+
+   A row that sees no key but has a sink gets output 0 and ``lse = sink``; a sink of
+   ``-inf`` is no sink.
+
+Without a sink, a row that sees no key has output 0 and ``lse = -inf``.
 """
 
 from __future__ import annotations
@@ -34,12 +78,15 @@ import math
 import torch
 
 __all__ = [
+    "alibi_bias",
     "append_to_cache",
     "attention",
+    "attention_varlen",
     "attention_with_kvcache",
     "cache_prefix",
     "causal_mask",
     "expand_kv_heads",
+    "window_mask",
 ]
 
 
@@ -48,6 +95,36 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     return j <= i + (seqlen_k - seqlen_q)
+
+
+def window_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal: bool = False,
+                device=None) -> torch.Tensor:
+    """Visible keys ``[Sq, Sk]`` for a local window (True = query may attend to key).
+
+    Query ``i`` (position ``p = i + Sk - Sq``) sees key ``j`` iff ``p - left <= j <= p + right``
+    with ``(left, right) = window_size``, -1 meaning unbounded; ``causal`` sets ``right = 0``.
+    ``window_mask(Sq, Sk, (-1, 0))`` equals ``causal_mask(Sq, Sk)``. Examples: module docstring.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    position = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= position - left
+    if right >= 0:
+        visible &= j <= position + right
+    return visible
+
+
+def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """ALiBi bias ``-slope * |i + Sk - Sq - j|``: slopes ``[H]`` -> ``[H, Sq, Sk]`` (or ``[B, H]``
+    -> ``[B, H, Sq, Sk]``), in the slopes' dtype."""
+    position = torch.arange(seqlen_q, device=slopes.device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    distance = (position - j).abs().to(slopes.dtype)
+    return -slopes[..., None, None] * distance
 
 
 def expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -63,6 +140,10 @@ def attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention.
@@ -72,10 +153,13 @@ def attention(
         k, v: ``[B, Sk, Hkv, D]`` with ``Hq % Hkv == 0``.
         causal: bottom-right aligned causal mask (see module docstring).
         softmax_scale: defaults to ``1 / sqrt(D)``.
+        window_size, softcap, alibi_slopes (``[Hq]`` or ``[B, Hq]``), sinks (``[Hq]``): the
+            variants of the module docstring.
         upcast: True computes everything in float64 (the ground truth). False computes the way
             PyTorch's plain math path does in the input dtype: matmuls in the input dtype,
-            softmax in float32, probabilities rounded back to the input dtype before P @ V.
-            Tests use it to measure how far PyTorch itself lands from the truth.
+            softmax (and the score modifiers) in float32, probabilities rounded back to the
+            input dtype before P @ V. Tests use it to measure how far PyTorch itself lands
+            from the truth.
 
     Returns:
         ``out [B, Sq, Hq, D]`` (float64 if upcast, else the input dtype) and
@@ -84,6 +168,7 @@ def attention(
     dtype = torch.float64 if upcast else q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     num_q_heads = q.shape[2]
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     qh = q.to(dtype).transpose(1, 2)  # [B, Hq, Sq, D]
     kh = expand_kv_heads(k.to(dtype), num_q_heads).transpose(1, 2)  # [B, Hq, Sk, D]
     vh = expand_kv_heads(v.to(dtype), num_q_heads).transpose(1, 2)
@@ -91,18 +176,66 @@ def attention(
     scores = torch.matmul(qh, kh.transpose(-1, -2))
     stats_dtype = torch.float64 if upcast else torch.float32
     scores = scores.to(stats_dtype) * scale
-    if causal:
-        visible = causal_mask(q.shape[1], k.shape[1], device=q.device)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes.to(stats_dtype), seqlen_q, seqlen_k)  # [(B,) Hq, Sq, Sk]
+        scores = scores + bias
+    if causal or tuple(window_size) != (-1, -1):
+        visible = window_mask(seqlen_q, seqlen_k, window_size, causal, device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
 
-    lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees nothing
-    row_max = scores.amax(dim=-1, keepdim=True)
+    logits = scores
+    if sinks is None and seqlen_k == 0:  # no logit at all: output 0, lse -inf
+        lse = torch.full(scores.shape[:-1], float("-inf"), dtype=stats_dtype, device=q.device)
+        return torch.zeros(q.shape, dtype=dtype, device=q.device), lse
+    if sinks is not None:  # one more logit per row, with no value vector
+        sink = sinks.to(stats_dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        logits = torch.cat([scores, sink], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)  # -inf where a row sees nothing (and has no sink)
+    row_max = logits.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    weights = torch.exp(scores - row_max)
+    weights = torch.exp(logits - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
     probs = torch.where(denom > 0, weights / denom.clamp_min(1e-300), torch.zeros_like(weights))
-    out = torch.matmul(probs.to(dtype), vh)
+    out = torch.matmul(probs[..., :seqlen_k].to(dtype), vh)
     return out.transpose(1, 2), lse
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    upcast: bool = True,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``; sequence ``b`` is
+    rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q (likewise for k, v) and is attended
+    alone, exactly as :func:`attention` would (masks aligned to its own lengths). ``alibi_slopes``
+    ``[B, Hq]`` gives sequence ``b`` its row; other keyword arguments go to :func:`attention`.
+
+    Returns ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]``.
+    """
+    dtype = torch.float64 if upcast else q.dtype
+    stats_dtype = torch.float64 if upcast else torch.float32
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=stats_dtype, device=q.device)
+    cu_q = [int(x) for x in cu_seqlens_q]
+    cu_k = [int(x) for x in cu_seqlens_k]
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if q1 == q0:
+            continue
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o, l = attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], alibi_slopes=slopes,
+                         upcast=upcast, **kwargs)
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l[0]
+    return out, lse
 
 
 # --- attention over a KV cache (decode) ------------------------------------------------------
@@ -156,12 +289,17 @@ def attention_with_kvcache(
     block_table=None,
     causal: bool = True,
     softmax_scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     upcast: bool = True,
+    **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference decode over a cache (see the section comment above); inputs are not modified.
 
+    ``window_size``, ``softcap``, ``alibi_slopes`` (``[Hq]`` or ``[B, Hq]``) and ``sinks`` are
+    those of :func:`attention`, applied to each sequence's ``T`` queries over its ``L`` keys, so
+    the window is aligned to the sequence's end (new token ``t`` has position ``L - T + t``).
     Returns ``out [B, T, Hq, D]`` and ``lse [B, Hq, T]`` with the dtypes of :func:`attention`.
-    A sequence with no keys gets output 0 and lse -inf.
+    A sequence with no keys gets output 0 and lse -inf (the sink with ``sinks``).
     """
     if k is not None:
         k_cache = append_to_cache(k_cache, k, cache_seqlens, block_table)
@@ -172,14 +310,9 @@ def attention_with_kvcache(
         length = int(cache_seqlens[b]) + added
         keys = cache_prefix(k_cache, b, length, block_table)[None]
         values = cache_prefix(v_cache, b, length, block_table)[None]
-        if length == 0:
-            dtype = torch.float64 if upcast else q.dtype
-            outs.append(torch.zeros(q[b:b + 1].shape, dtype=dtype, device=q.device))
-            lses.append(torch.full((1, q.shape[2], q.shape[1]), float("-inf"),
-                                   dtype=torch.float64 if upcast else torch.float32, device=q.device))
-            continue
-        out, lse = attention(q[b:b + 1], keys, values, causal=causal,
-                             softmax_scale=softmax_scale, upcast=upcast)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        out, lse = attention(q[b:b + 1], keys, values, causal=causal, softmax_scale=softmax_scale,
+                             alibi_slopes=slopes, upcast=upcast, **kwargs)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -24,6 +24,13 @@ gathered row by row. All cache offsets are int64.
 Causal masking among the new tokens is aligned bottom-right: with ``L = cache_seqlens[b] + T``
 (``+ 0`` when nothing is appended), new token ``t`` sees keys ``j <= L - T + t``.
 
+Variants (``kernels/_softmax.py``; ``_decode_variant_kernel``, the plain ``_decode_kernel``
+keeps the code and launch arguments of before them): a window is aligned to each sequence's end
+(new token ``t`` has position ``L - T + t``), and the splits share out only the window's span of
+tiles, so a step reads about ``left + T`` keys whatever ``L``. Softcap and ALiBi modify the
+scores of each row (ALiBi's slope is the row's query head's). A sink starts split 0's running
+max and sum, so the combine counts it exactly once.
+
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]`` and page
 indices read from the block table to ``[0, num_blocks)``, so bad values (when the caller did
 not validate them) give wrong numbers, never out-of-bounds accesses; the append kernel skips
@@ -44,6 +51,15 @@ import triton
 import triton.language as tl
 
 from ._common import dot_flags, is_interpreted, padded_head_dim
+from ._softmax import (
+    Variant,
+    modified_scores,
+    softmax_step,
+    softmax_step_scaled,
+    unmasked_run,
+    visible_keys,
+    window_span,
+)
 from .combine import combine
 
 LOG2E = math.log2(math.e)
@@ -120,15 +136,17 @@ def _attend_cache_tile(
     acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
     stride_kb, stride_ks, stride_vb, stride_vs,
     start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+    window_left, window_right, softcap_in, softcap_out, alibi_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """One online-softmax step over keys ``start_n .. start_n + BLOCK_N - 1`` of the cache.
 
     ``K``/``V`` already point at this program's KV head. ``m_i`` is the running row max in log2
-    units (scaled). With ``MASKED`` the tile may hold keys ``>= length`` or, with ``CAUSAL``,
-    keys after a row's token (row token ``t`` sees keys ``j <= t + causal_shift``).
+    units (scaled). With ``MASKED`` the tile may hold keys ``>= length`` or keys outside a row's
+    causal range or window: row token ``t`` has position ``t + causal_shift`` (``_softmax``).
     """
     keys = start_n + offs_n
     block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks,
@@ -153,22 +171,20 @@ def _attend_cache_tile(
         v = v.to(tl.float32)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if MASKED:
-        visible = keys[None, :] < length
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= row_token[:, None] + causal_shift)
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    if MASKED:
-        # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if HAS_SOFTCAP or HAS_ALIBI:
+        row_pos = row_token + causal_shift
+        s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
+                            HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
+            s = tl.where(visible, s, float("-inf"))
+        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION)
     else:
-        m_new_safe = m_new
-    p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_new_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if MASKED:
+            visible = visible_keys(row_token + causal_shift, keys, length, window_left, window_right,
+                                   CAUSAL, HAS_WINDOW)
+            qk = tl.where(visible, qk, float("-inf"))
+        acc, l_i, m_new = softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED, DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -197,19 +213,23 @@ def _store_rows(
 
 
 @triton.jit
-def _decode_kernel(
-    Q, K, V, BlockTable, SeqLens, Out, Lse,
+def _decode_program(
+    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_btb, stride_btn, stride_sl,
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
+    stride_ab, stride_ah, stride_sh,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
+    window_left, window_right, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Program id -> (batch, kv_head, split, row tile), row tile fastest, in one grid axis.
@@ -237,38 +257,75 @@ def _decode_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    # This split's keys [lo, hi): a run of whole tiles; keys below `full` are visible to every
-    # row of the tile (no mask), the rest pay for masks.
-    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits)
-    lo = split * per_split * BLOCK_N
-    hi = tl.minimum(lo + per_split * BLOCK_N, length)
-    if CAUSAL:
-        full = tl.minimum(hi, (row_tile * BLOCK_M) // group + causal_shift + 1)
+    if HAS_WINDOW:
+        # Keys [win_lo, win_hi) lie in some row's window; the splits share out that span only.
+        first_pos = (row_tile * BLOCK_M) // group + causal_shift
+        last_pos = tl.minimum((row_tile * BLOCK_M + BLOCK_M - 1) // group, seqlen_new - 1) + causal_shift
+        win_lo, win_hi = window_span(first_pos, last_pos, length, window_left, window_right, BLOCK_N)
+        per_split = tl.cdiv(tl.cdiv(tl.maximum(win_hi - win_lo, 0), BLOCK_N), num_splits)
+        lo = win_lo + split * per_split * BLOCK_N
+        hi = tl.minimum(lo + per_split * BLOCK_N, win_hi)
+        mid_lo, mid_hi = unmasked_run(lo, hi, first_pos, last_pos, window_left, window_right, BLOCK_N)
     else:
-        full = hi
-    full_end = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
+        # This split's keys [lo, hi): a run of whole tiles; keys below `full` are visible to every
+        # row of the tile (no mask), the rest pay for masks.
+        per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits)
+        lo = split * per_split * BLOCK_N
+        hi = tl.minimum(lo + per_split * BLOCK_N, length)
+        if CAUSAL:
+            full = tl.minimum(hi, (row_tile * BLOCK_M) // group + causal_shift + 1)
+        else:
+            full = hi
+        mid_lo = lo
+        mid_hi = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
     kv_head64 = kv_head.to(tl.int64)
     K = K + kv_head64 * stride_kh
     V = V + kv_head64 * stride_vh
     bt_row = BlockTable + batch * stride_btb
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(Slopes + batch * stride_ab + row_head.to(tl.int64) * stride_ah)
+        alibi_rows = slopes * 1.4426950408889634
+    else:
+        alibi_rows = 0.0
+    if HAS_SINKS:
+        # The sink joins the denominator once: split 0 starts from max = sink, sum = 1; the
+        # other splits start empty, and the combine merges them exactly.
+        sink = tl.load(Sinks + row_head.to(tl.int64) * stride_sh) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, float("-inf"))
+        l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, full_end, BLOCK_N):
+    if HAS_WINDOW:
+        for start_n in range(lo, mid_lo, BLOCK_N):
+            acc, l_i, m_i = _attend_cache_tile(
+                acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
+                stride_kb, stride_ks, stride_vb, stride_vs,
+                start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+                window_left, window_right, softcap_in, softcap_out, alibi_rows,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+            )
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i = _attend_cache_tile(
             acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
             stride_kb, stride_ks, stride_vb, stride_vs,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+            window_left, window_right, softcap_in, softcap_out, alibi_rows,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, CAUSAL, DOT_F32, DOT_PRECISION,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
         )
-    for start_n in range(full_end, hi, BLOCK_N):
+    for start_n in range(mid_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_cache_tile(
             acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
             stride_kb, stride_ks, stride_vb, stride_vs,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+            window_left, window_right, softcap_in, softcap_out, alibi_rows,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
         )
 
     _store_rows(
@@ -276,6 +333,81 @@ def _decode_kernel(
         stride_os, stride_ob, stride_ot, stride_oh,
         stride_ls, stride_lb, stride_lh, stride_lt,
         HEAD_DIM, WRITE_LSE,
+    )
+
+
+# Two entry points, one body: the plain kernel keeps the launch arguments it had before the
+# variants (no extra host-side binding per decode step) and compiles to the same code; the
+# variant kernel takes the window, softcap, ALiBi and sink arguments.
+@triton.jit
+def _decode_kernel(
+    Q, K, V, BlockTable, SeqLens, Out, Lse,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_btn, stride_sl,
+    stride_os, stride_ob, stride_ot, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lt,
+    seqlen_new, appended, capacity, num_blocks,
+    num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    _decode_program(
+        Q, K, V, BlockTable, SeqLens, Out, Lse, Q, Q,
+        stride_qb, stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_btb, stride_btn, stride_sl,
+        stride_os, stride_ob, stride_ot, stride_oh,
+        stride_ls, stride_lb, stride_lh, stride_lt,
+        0, 0, 0,
+        seqlen_new, appended, capacity, num_blocks,
+        num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
+        0, 0, 0.0, 0.0,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
+        False, False, False, False,
+        DOT_F32, DOT_PRECISION,
+    )
+
+
+@triton.jit(do_not_specialize=["window_left", "window_right"])
+def _decode_variant_kernel(
+    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_btn, stride_sl,
+    stride_os, stride_ob, stride_ot, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lt,
+    stride_ab, stride_ah, stride_sh,
+    seqlen_new, appended, capacity, num_blocks,
+    num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
+    window_left, window_right, softcap_in, softcap_out,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    _decode_program(
+        Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
+        stride_qb, stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_btb, stride_btn, stride_sl,
+        stride_os, stride_ob, stride_ot, stride_oh,
+        stride_ls, stride_lb, stride_lh, stride_lt,
+        stride_ab, stride_ah, stride_sh,
+        seqlen_new, appended, capacity, num_blocks,
+        num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
+        window_left, window_right, softcap_in, softcap_out,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS,
+        DOT_F32, DOT_PRECISION,
     )
 
 
@@ -324,7 +456,9 @@ def _baseline_kernel(
             acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
             stride_kb, stride_ks, stride_vb, stride_vs,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
+            0, 0, 0.0, 0.0, 0.0,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
+            False, False, False,
         )
     _store_rows(
         Out, Lse, acc, l_i, m_i, 0, batch, row_token, row_head, row_ok, offs_d,
@@ -440,6 +574,16 @@ def sm_count(device: torch.device, interpreted: bool) -> int:
     return _sm_count(index)
 
 
+def attended_span(variant: Variant, capacity: int, seqlen_new: int, tile_tokens: int, block_n: int) -> int:
+    """Keys one row tile can see at most: the capacity, or with a window bounded on the left
+    its span (``left`` + the tile's tokens + ``right``, plus a tile of alignment). Shapes only."""
+    if variant.window is None or variant.window[0] < 0:
+        return capacity
+    left, right = variant.window
+    right = seqlen_new if right < 0 else min(right, seqlen_new)
+    return min(capacity, left + min(tile_tokens, seqlen_new) + right + block_n)
+
+
 def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool,
                     paged: bool = False) -> int:
     """Splits for ``programs`` (batch x kv heads x row tiles) programs: a wave or two per SM.
@@ -530,12 +674,19 @@ def decode_forward(
     softmax_scale: float,
     num_splits: int = 0,
     config: DecodeConfig | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Append ``k_new, v_new`` (if given), then attend; writes ``out`` and ``lse`` (or None).
 
     Shapes: ``q [B, T, Hq, D]``, caches as in the module docstring, ``cache_seqlens [B]``
     int32, ``out [B, T, Hq, D]``, ``lse [B, Hq, T]`` float32. Inputs are validated by the
-    caller; B, T >= 1. ``num_splits`` 0 picks from the SM count and the capacity.
+    caller; B, T >= 1. ``num_splits`` 0 picks from the SM count and the capacity (with a
+    window bounded on the left: from the window's span instead, see :func:`attended_span`).
+    The variant arguments are those of ``flash_attn_with_kvcache``; the window is aligned to
+    each sequence's end, and a sink joins split 0 only, so the combine counts it once.
     """
     if k_new is not None:
         append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
@@ -548,9 +699,12 @@ def decode_forward(
     group = num_heads // num_kv_heads
     block_m = pick_block_m(group * seqlen_new, head_dim)
     num_row_tiles = triton.cdiv(group * seqlen_new, block_m)
+    variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     if num_splits == 0:
         programs = batch * num_kv_heads * num_row_tiles
-        num_splits = pick_num_splits(programs, geometry.capacity, config.block_n,
+        span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1,
+                             config.block_n)
+        num_splits = pick_num_splits(programs, span, config.block_n,
                                      sm_count(q.device, interpreted), interpreted,
                                      paged=block_table is not None)
 
@@ -569,23 +723,46 @@ def decode_forward(
     bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
 
     grid = (batch * num_kv_heads * num_splits * num_row_tiles,)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, bt, cache_seqlens, target,
-        target_lse if target_lse is not None else target,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        stride_btb, stride_btn, cache_seqlens.stride(0),
-        *o_strides, *l_strides,
-        seqlen_new, seqlen_new if k_new is not None else 0, geometry.capacity, geometry.num_blocks,
-        num_kv_heads, group, num_row_tiles, num_splits, softmax_scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
-        CAUSAL=causal, WRITE_LSE=target_lse is not None,
-        num_warps=_warps_for(config, block_m, head_dim),
-        num_stages=config.num_stages,
-        **dot_flags(q.dtype, interpreted),
-    )
+    if variant.is_plain:
+        _decode_kernel[grid](
+            q, k_cache, v_cache, bt, cache_seqlens, target,
+            target_lse if target_lse is not None else target,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            stride_btb, stride_btn, cache_seqlens.stride(0),
+            *o_strides, *l_strides,
+            seqlen_new, seqlen_new if k_new is not None else 0, geometry.capacity, geometry.num_blocks,
+            num_kv_heads, group, num_row_tiles, num_splits, softmax_scale * LOG2E,
+            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+            BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
+            CAUSAL=variant.causal, WRITE_LSE=target_lse is not None,
+            num_warps=_warps_for(config, block_m, head_dim),
+            num_stages=config.num_stages,
+            **dot_flags(q.dtype, interpreted),
+        )
+    else:
+        mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
+        _decode_variant_kernel[grid](
+            q, k_cache, v_cache, bt, cache_seqlens, target,
+            target_lse if target_lse is not None else target,
+            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+            stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+            stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+            stride_btb=stride_btb, stride_btn=stride_btn, stride_sl=cache_seqlens.stride(0),
+            stride_os=o_strides[0], stride_ob=o_strides[1], stride_ot=o_strides[2], stride_oh=o_strides[3],
+            stride_ls=l_strides[0], stride_lb=l_strides[1], stride_lh=l_strides[2], stride_lt=l_strides[3],
+            seqlen_new=seqlen_new, appended=seqlen_new if k_new is not None else 0,
+            capacity=geometry.capacity, num_blocks=geometry.num_blocks,
+            num_kv_heads=num_kv_heads, group=group, num_row_tiles=num_row_tiles,
+            num_splits=num_splits, qk_scale=softmax_scale * LOG2E,
+            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+            BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
+            WRITE_LSE=target_lse is not None,
+            num_warps=_warps_for(config, block_m, head_dim),
+            num_stages=config.num_stages,
+            **mods, **dot_flags(q.dtype, interpreted),
+        )
     if num_splits > 1:
         combine(target, target_lse, out, lse)
 

@@ -1,0 +1,184 @@
+"""Compile the plain prefill and decode kernels to PTX for sm_90a, without a GPU, and compare
+them with the kernels of another build: the check that a change left the plain path alone.
+
+    git show HEAD:src/flashkernel/kernels/prefill.py > /tmp/prefill_before.py
+    git show HEAD:src/flashkernel/kernels/decode.py > /tmp/decode_before.py
+    PYTHONPATH=src python benchmarks/tools/plain_ptx.py --before-prefill /tmp/prefill_before.py \\
+        --before-decode /tmp/decode_before.py
+
+Each specialization (bf16, the tuned tile shapes, causal or not, pointer or TMA loads, each
+cache layout) is compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the
+argument attributes a real launch gets (pointers and strides 16-divisible). The function bodies
+are compared after dropping parameter declarations and loads, debug sections and location
+labels, and renaming virtual registers in order of first use: "identical" means the same
+instructions in the same order. ``--variants`` also compiles every variant specialization and
+reports registers and spills from ptxas (the ``-v`` report of the bundled ptxas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def load_module(path: str, name: str):
+    """A kernel module file loaded as ``flashkernel.kernels.<name>`` (relative imports work)."""
+    spec = importlib.util.spec_from_file_location(f"flashkernel.kernels.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "flashkernel.kernels"
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_kernel(fn, values: dict, num_warps: int, num_stages: int):
+    """``values``: argument name -> type string ("*bf16", "i32", "fp32") or constexpr value.
+    Arguments not named are int32 scalars. Pointers and ``stride_*`` (but those in ``unit``) get
+    the 16-divisibility attribute, as a launch with aligned tensors does."""
+    signature, constexprs, attrs = {}, {}, {}
+    unit = values.get("_unit_strides", ())
+    for i, name in enumerate(fn.arg_names):
+        value = values.get(name, "i32")
+        if isinstance(value, str) and (value.startswith("*") or value in ("i32", "fp32")):
+            signature[name] = value
+            if value.startswith("*") or (name.startswith("stride") and name not in unit):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def canonical_body(ptx: str) -> list[str]:
+    lines, names = [], {}
+    for line in ptx.split("\t.section\t.debug")[0].splitlines():
+        s = line.strip()
+        if (not s or s.startswith(("//", ".loc", ".file", ".param", ".reg", ".visible", ".entry", ")", "("))
+                or "ld.param" in s or re.match(r"^\$L__tmp\d+:$", s)):
+            continue
+
+        def rename(m):
+            names.setdefault(m.group(0), f"{m.group(1)}#{len(names)}")
+            return names[m.group(0)]
+
+        lines.append(re.sub(r"(%[a-z]+)(\d+)", rename, s))
+    return lines
+
+
+def ptxas_report(ptx: str) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    result = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", result.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", result.stderr)
+    return f"{regs.group(1) if regs else '?'} regs, {spills.group(1) if spills else '?'} B spilled"
+
+
+# ---- specializations ------------------------------------------------------------------------------
+
+
+def prefill_plain_cases():
+    for head_dim, (block_m, block_n, warps, stages) in ((64, (128, 64, 8, 3)), (128, (128, 128, 8, 3))):
+        for causal in (False, True):
+            for tma in (False, True):
+                values = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", Lse="*fp32", qk_scale="fp32",
+                              HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                              CAUSAL=causal, WRITE_LSE=True, USE_TMA=tma, WARP_SPECIALIZE=False,
+                              DOT_F32=False, DOT_PRECISION="tf32")
+                label = f"prefill d{head_dim} {'causal' if causal else 'full'} {'tma' if tma else 'ptr'}"
+                yield label, values, warps, stages
+
+
+def decode_plain_cases():
+    for page in (0, 16, 256):
+        for causal in (False, True):
+            values = dict(Q="*bf16", K="*bf16", V="*bf16", BlockTable="*i32", SeqLens="*i32", Out="*fp32",
+                          Lse="*fp32", qk_scale="fp32", HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16,
+                          BLOCK_N=64 if page >= 64 else 128, PAGE_SIZE=page, CAUSAL=causal, WRITE_LSE=True,
+                          DOT_F32=False, DOT_PRECISION="tf32",
+                          _unit_strides=("stride_sl", "stride_btn", "stride_lt", "stride_ah", "stride_sh"))
+            yield f"decode page{page} {'causal' if causal else 'full'}", values, 4, 3
+
+
+VARIANT_FLAGS = {
+    "window": dict(HAS_WINDOW=True), "softcap": dict(HAS_SOFTCAP=True), "alibi": dict(HAS_ALIBI=True),
+    "sinks": dict(HAS_SINKS=True), "all": dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_SINKS=True),
+}
+VARIANT_SCALARS = dict(Slopes="*fp32", Sinks="*fp32", softcap_in="fp32", softcap_out="fp32",
+                       HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False)
+
+
+def variant_cases(prefill, decode):
+    for label, values, warps, stages in prefill_plain_cases():
+        if "d128" not in label:
+            continue
+        for name, flags in VARIANT_FLAGS.items():
+            v = {**values, **VARIANT_SCALARS, **flags, "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32",
+                 "IS_VARLEN": False, "BLOCK_B": 1}
+            if flags.get("HAS_WINDOW"):
+                v["CAUSAL"] = False
+            yield prefill._attention_variant_kernel, f"{label} +{name}", v, warps, stages
+        v = {**values, **VARIANT_SCALARS, "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "IS_VARLEN": True,
+             "BLOCK_B": 64}
+        yield prefill._attention_variant_kernel, f"{label} varlen", v, warps, stages
+    for label, values, warps, stages in decode_plain_cases():
+        for name, flags in VARIANT_FLAGS.items():
+            v = {**values, **VARIANT_SCALARS, **flags}
+            if flags.get("HAS_WINDOW"):
+                v["CAUSAL"] = False
+            yield decode._decode_variant_kernel, f"{label} +{name}", v, warps, stages
+
+
+def compare(label, fn_after, fn_before, values, warps, stages) -> bool:
+    after = compile_kernel(fn_after, values, warps, stages).asm["ptx"]
+    before = compile_kernel(fn_before, values, warps, stages).asm["ptx"]
+    a, b = canonical_body(after), canonical_body(before)
+    same = a == b
+    detail = "identical" if same else f"DIFFERENT ({sum(1 for _ in difflib.unified_diff(b, a, n=0)) - 2} diff lines)"
+    print(f"{label:32s} {len(a):5d} instructions  {detail}  [{ptxas_report(after)}]", flush=True)
+    return same
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before-prefill", help="kernels/prefill.py of the build to compare with")
+    parser.add_argument("--before-decode", help="kernels/decode.py of the build to compare with")
+    parser.add_argument("--variants", action="store_true", help="also compile every variant, report registers")
+    args = parser.parse_args(argv)
+    from flashkernel.kernels import decode, prefill
+
+    ok = True
+    if args.before_prefill:
+        before = load_module(args.before_prefill, "_ptx_before_prefill")
+        for label, values, warps, stages in prefill_plain_cases():
+            ok &= compare(label, prefill._attention_fwd_kernel, before._attention_fwd_kernel, values, warps, stages)
+    if args.before_decode:
+        before = load_module(args.before_decode, "_ptx_before_decode")
+        for label, values, warps, stages in decode_plain_cases():
+            ok &= compare(label, decode._decode_kernel, before._decode_kernel, values, warps, stages)
+    if args.variants:
+        for fn, label, values, warps, stages in variant_cases(prefill, decode):
+            ptx = compile_kernel(fn, values, warps, stages).asm["ptx"]
+            print(f"{label:40s} {ptxas_report(ptx)}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
