@@ -1,6 +1,6 @@
 """Decode over a KV cache: a few new query tokens per sequence attend to a long cache.
 
-Two kernels, launched in this order by :func:`decode_forward`:
+Three kernels, launched in this order by :func:`decode_forward`:
 
 1. ``_append_kernel`` writes the new ``k, v [B, T, Hkv, D]`` into the cache in place at
    positions ``cache_seqlens[b] .. cache_seqlens[b] + T - 1`` (through the block table when
@@ -11,11 +11,9 @@ Two kernels, launched in this order by :func:`decode_forward`:
    ``kv_head * group + r % group``), padded to >= 16 rows for ``tl.dot``. So every K/V byte is
    read once per step, not once per query head. The context ``[0, L)`` of a sequence is cut
    into ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program streams one run and
-   writes a normalized partial output and its log-sum-exp (float32) to a workspace; the last
-   split of each (batch, kv_head, row tile) to finish (an atomic arrival counter) merges the
-   parts exactly by log-sum-exp, in split order, into the output: the math of
-   ``kernels/combine.py`` without a second launch. With one split the kernel writes the final
-   output directly.
+   writes a normalized partial output and its log-sum-exp (float32) to a workspace.
+3. ``combine`` (``kernels/combine.py``) merges the splits exactly by log-sum-exp. With one
+   split the decode kernel writes the final output directly and nothing else runs.
 
 Cache layouts (``PAGE_SIZE`` constexpr): contiguous ``[B, S_max, Hkv, D]`` (``PAGE_SIZE`` 0)
 or paged ``[num_blocks, page_size, Hkv, D]`` with ``block_table [B, max_blocks]`` int32: key
@@ -31,7 +29,7 @@ keeps the code and launch arguments of before them): a window is aligned to each
 (new token ``t`` has position ``L - T + t``), and the splits share out only the window's span of
 tiles, so a step reads about ``left + T`` keys whatever ``L``. Softcap and ALiBi modify the
 scores of each row (ALiBi's slope is the row's query head's). A sink starts split 0's running
-max and sum, so the merge counts it exactly once.
+max and sum, so the combine counts it exactly once.
 
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]`` and page
 indices read from the block table to ``[0, num_blocks)``, so bad values (when the caller did
@@ -62,6 +60,7 @@ from ._softmax import (
     visible_keys,
     window_span,
 )
+from .combine import combine
 
 LOG2E = math.log2(math.e)
 
@@ -214,82 +213,25 @@ def _store_rows(
 
 
 @triton.jit
-def _merge_split_rows(
-    PartOut, PartLse, Out, Lse, num_splits, batch, row_token, row_head, row_ok, offs_d,
-    stride_ps, stride_pb, stride_pt, stride_ph,
-    stride_qs, stride_qb, stride_qh, stride_qt,
-    stride_ob, stride_ot, stride_oh,
-    stride_lb, stride_lh, stride_lt,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
-):
-    """Merge this tile's rows over every split by log-sum-exp, in split order (deterministic).
-
-    The math of ``kernels/combine.py`` for the rows of one tile; run by the split that finishes
-    last. Parts are read through L2 (``.cg``): other SMs wrote them, and L1 is not coherent.
-    """
-    token = row_token.to(tl.int64)
-    head = row_head.to(tl.int64)
-    lse_base = PartLse + batch * stride_qb + head * stride_qh + token * stride_qt
-    part_base = (PartOut + batch * stride_pb + token[:, None] * stride_pt + head[:, None] * stride_ph
-                 + offs_d[None, :])
-    d_ok = offs_d[None, :] < HEAD_DIM
-
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    lse_ptrs = lse_base
-    for _ in range(0, num_splits):
-        lse_s = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, lse_s * 1.4426950408889634)
-        lse_ptrs += stride_qs
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    lse_ptrs = lse_base
-    part_ptrs = part_base
-    for _ in range(0, num_splits):
-        lse_s = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.math.exp2(lse_s * 1.4426950408889634 - m_safe)
-        part = tl.load(part_ptrs, mask=(w > 0.0)[:, None] & d_ok, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * part
-        total += w
-        lse_ptrs += stride_qs
-        part_ptrs += stride_ps
-
-    total_safe = tl.where(total == 0.0, 1.0, total)
-    out = acc / total_safe[:, None]
-    tl.store(Out + batch * stride_ob + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok)
-    if WRITE_LSE:
-        lse = tl.where(total == 0.0, float("-inf"), (m_safe + tl.math.log2(total_safe)) / 1.4426950408889634)
-        tl.store(Lse + batch * stride_lb + head * stride_lh + token * stride_lt, lse, mask=row_ok)
-
-
-@triton.jit
 def _decode_program(
-    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Final, FinalLse, Arrivals,
+    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_btb, stride_btn, stride_sl,
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
-    stride_fb, stride_ft, stride_fh,
-    stride_gb, stride_gh, stride_gt,
     stride_ab, stride_ah, stride_sh,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """With ``MERGE`` (more than one split), ``Out``/``Lse`` are the per-split partials and the
-    last split of each (batch, kv_head, row tile) to finish merges them into ``Final``/``FinalLse``;
-    ``Arrivals`` counts finished splits per tile and is reset to 0 by the merging program.
-    Without it, ``Out``/``Lse`` are the final output and ``Final``/``Arrivals`` are unused."""
     # Program id -> (batch, kv_head, split, row tile), row tile fastest, in one grid axis.
     pid = tl.program_id(0)
     row_tile = pid % num_row_tiles
@@ -349,7 +291,7 @@ def _decode_program(
         alibi_rows = 0.0
     if HAS_SINKS:
         # The sink joins the denominator once: split 0 starts from max = sink, sum = 1; the
-        # other splits start empty, and the merge combines them exactly.
+        # other splits start empty, and the combine merges them exactly.
         sink = tl.load(Sinks + row_head.to(tl.int64) * stride_sh) * 1.4426950408889634
         m_i = tl.where(split == 0, sink, float("-inf"))
         l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -390,24 +332,8 @@ def _decode_program(
         Out, Lse, acc, l_i, m_i, split.to(tl.int64), batch, row_token, row_head, row_ok, offs_d,
         stride_os, stride_ob, stride_ot, stride_oh,
         stride_ls, stride_lb, stride_lh, stride_lt,
-        HEAD_DIM, WRITE_LSE or MERGE,
+        HEAD_DIM, WRITE_LSE,
     )
-    if MERGE:
-        # Every thread's partial stores precede the arrival (barrier), and the acq_rel atomic
-        # publishes them at GPU scope; the last split to arrive merges in a fixed order.
-        tl.debug_barrier()
-        tile = (batch * num_kv_heads + kv_head) * num_row_tiles + row_tile
-        arrived = tl.atomic_add(Arrivals + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            _merge_split_rows(
-                Out, Lse, Final, FinalLse, num_splits, batch, row_token, row_head, row_ok, offs_d,
-                stride_os, stride_ob, stride_ot, stride_oh,
-                stride_ls, stride_lb, stride_lh, stride_lt,
-                stride_fb, stride_ft, stride_fh,
-                stride_gb, stride_gh, stride_gt,
-                HEAD_DIM, BLOCK_M, BLOCK_D, WRITE_LSE,
-            )
-            tl.atomic_xchg(Arrivals + tile, 0, sem="relaxed", scope="gpu")
 
 
 # Two entry points, one body: the plain kernel keeps the launch arguments it had before the
@@ -415,37 +341,33 @@ def _decode_program(
 # variant kernel takes the window, softcap, ALiBi and sink arguments.
 @triton.jit
 def _decode_kernel(
-    Q, K, V, BlockTable, SeqLens, Out, Lse, Final, FinalLse, Arrivals,
+    Q, K, V, BlockTable, SeqLens, Out, Lse,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_btb, stride_btn, stride_sl,
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
-    stride_fb, stride_ft, stride_fh,
-    stride_gb, stride_gh, stride_gt,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     _decode_program(
-        Q, K, V, BlockTable, SeqLens, Out, Lse, Q, Q, Final, FinalLse, Arrivals,
+        Q, K, V, BlockTable, SeqLens, Out, Lse, Q, Q,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
         stride_btb, stride_btn, stride_sl,
         stride_os, stride_ob, stride_ot, stride_oh,
         stride_ls, stride_lb, stride_lh, stride_lt,
-        stride_fb, stride_ft, stride_fh,
-        stride_gb, stride_gh, stride_gt,
         0, 0, 0,
         seqlen_new, appended, capacity, num_blocks,
         num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
         0, 0, 0.0, 0.0,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE, MERGE,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
         False, False, False, False,
         DOT_F32, DOT_PRECISION,
     )
@@ -453,41 +375,37 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["window_left", "window_right"])
 def _decode_variant_kernel(
-    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Final, FinalLse, Arrivals,
+    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_btb, stride_btn, stride_sl,
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
-    stride_fb, stride_ft, stride_fh,
-    stride_gb, stride_gh, stride_gt,
     stride_ab, stride_ah, stride_sh,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     _decode_program(
-        Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Final, FinalLse, Arrivals,
+        Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
         stride_btb, stride_btn, stride_sl,
         stride_os, stride_ob, stride_ot, stride_oh,
         stride_ls, stride_lb, stride_lh, stride_lt,
-        stride_fb, stride_ft, stride_fh,
-        stride_gb, stride_gh, stride_gt,
         stride_ab, stride_ah, stride_sh,
         seqlen_new, appended, capacity, num_blocks,
         num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
         window_left, window_right, softcap_in, softcap_out,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE, MERGE,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
         HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS,
         DOT_F32, DOT_PRECISION,
     )
@@ -707,28 +625,9 @@ def _new_workspace(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
-_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (batch, kv_head, row tile), cached like :func:`workspace`.
-
-    Split programs count their arrivals here; the last one merges and resets its counter to 0,
-    so the buffer is all zeros again after every complete launch (and every graph replay).
-    """
-    bucket = triton.next_power_of_2(max(numel, 1))
-    key = (device, bucket)
-    buf = _ARRIVALS.get(key)
-    if buf is None:
-        buf = torch.zeros(bucket, dtype=torch.int32, device=device)
-        _ARRIVALS[key] = buf
-    return buf[:numel]
-
-
 def clear_workspaces() -> None:
     """Drop the cached workspaces (tests; or to return memory when no graph uses them)."""
     _WORKSPACES.clear()
-    _ARRIVALS.clear()
 
 
 def _block_table_args(block_table, cache_seqlens):
@@ -787,7 +686,7 @@ def decode_forward(
     caller; B, T >= 1. ``num_splits`` 0 picks from the SM count and the capacity (with a
     window bounded on the left: from the window's span instead, see :func:`attended_span`).
     The variant arguments are those of ``flash_attn_with_kvcache``; the window is aligned to
-    each sequence's end, and a sink joins split 0 only, so the merge counts it once.
+    each sequence's end, and a sink joins split 0 only, so the combine counts it once.
     """
     if k_new is not None:
         append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
@@ -809,15 +708,11 @@ def decode_forward(
                                      sm_count(q.device, interpreted), interpreted,
                                      paged=block_table is not None)
 
-    merge = num_splits > 1
-    f_strides = (out.stride(0), out.stride(1), out.stride(2))
-    g_strides = (lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0, 0, 0)
-    if not merge:
-        target, target_lse, arrivals = out, lse, cache_seqlens  # arrivals: an unused pointer
-        o_strides = (0, *f_strides)
-        l_strides = (0, *g_strides)
+    if num_splits == 1:
+        target, target_lse = out, lse
+        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+        l_strides = (0, lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0,) * 4
     else:
-        # Partials go to the workspace; the last split of each tile merges them into `out`.
         n_out = num_splits * batch * seqlen_new * num_heads * head_dim
         n_lse = num_splits * batch * num_heads * seqlen_new
         buf = workspace(q.device, n_out + n_lse)
@@ -825,8 +720,6 @@ def decode_forward(
         target_lse = buf[n_out:].view(num_splits, batch, num_heads, seqlen_new)
         o_strides = (target.stride(0), target.stride(1), target.stride(2), target.stride(3))
         l_strides = target_lse.stride()
-        arrivals = arrival_counters(q.device, batch * num_kv_heads * num_row_tiles)
-    final_lse = lse if lse is not None else out  # unused pointer when WRITE_LSE is False
     bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
 
     grid = (batch * num_kv_heads * num_splits * num_row_tiles,)
@@ -834,17 +727,16 @@ def decode_forward(
         _decode_kernel[grid](
             q, k_cache, v_cache, bt, cache_seqlens, target,
             target_lse if target_lse is not None else target,
-            out, final_lse, arrivals,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             stride_btb, stride_btn, cache_seqlens.stride(0),
-            *o_strides, *l_strides, *f_strides, *g_strides,
+            *o_strides, *l_strides,
             seqlen_new, seqlen_new if k_new is not None else 0, geometry.capacity, geometry.num_blocks,
             num_kv_heads, group, num_row_tiles, num_splits, softmax_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
-            CAUSAL=variant.causal, WRITE_LSE=lse is not None, MERGE=merge,
+            CAUSAL=variant.causal, WRITE_LSE=target_lse is not None,
             num_warps=_warps_for(config, block_m, head_dim),
             num_stages=config.num_stages,
             **dot_flags(q.dtype, interpreted),
@@ -854,9 +746,6 @@ def decode_forward(
         _decode_variant_kernel[grid](
             q, k_cache, v_cache, bt, cache_seqlens, target,
             target_lse if target_lse is not None else target,
-            Final=out, FinalLse=final_lse, Arrivals=arrivals,
-            stride_fb=f_strides[0], stride_ft=f_strides[1], stride_fh=f_strides[2],
-            stride_gb=g_strides[0], stride_gh=g_strides[1], stride_gt=g_strides[2],
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
             stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
@@ -869,11 +758,13 @@ def decode_forward(
             num_splits=num_splits, qk_scale=softmax_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
-            WRITE_LSE=lse is not None, MERGE=merge,
+            WRITE_LSE=target_lse is not None,
             num_warps=_warps_for(config, block_m, head_dim),
             num_stages=config.num_stages,
             **mods, **dot_flags(q.dtype, interpreted),
         )
+    if num_splits > 1:
+        combine(target, target_lse, out, lse)
 
 
 def baseline_decode(
