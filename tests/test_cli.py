@@ -54,6 +54,20 @@ def test_unknown_provider_exits_2(capsys):
 
 
 @cpu_only
+def test_bench_variants_without_gpu_says_so(capsys):
+    code, out, _ = run_cli(capsys, "bench", "variants")
+    assert code == 2 and "needs a CUDA GPU" in out and "flashkernel check" in out
+
+
+def test_bench_variants_formulas():
+    """The variants benchmark's pair counts: causal with and without a sliding window."""
+    from flashkernel.bench import variants
+
+    assert variants.causal_pairs(4) == 10
+    assert variants.causal_pairs(6, window=2) == 1 + 2 + 2 + 2 + 2 + 2  # at most 2 keys per query
+
+
+@cpu_only
 def test_check_in_a_fresh_process_sets_the_interpreter_itself():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")

@@ -202,7 +202,27 @@ def flashkernel_failed(docs) -> bool:
                for doc in docs for r in doc["rows"])
 
 
+def cmd_bench_variants(args, device) -> int:
+    """``bench variants``: sliding window, softcap, ALiBi, sinks and packed sequences against
+    FlexAttention (and FlashAttention when importable), in ``bench/variants.py``."""
+    if device != "cuda":
+        print("the variants benchmark needs a CUDA GPU (it times compiled FlexAttention beside "
+              "flashkernel); on this machine run `flashkernel check`, which covers the variants' "
+              "correctness in Triton's interpreter")
+        return 2
+    from .bench import variants
+
+    out_dir = Path(args.out) if args.out else default_out_dir(device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    argv = ["--out", str(out_dir / "variants.json")]
+    if "flex" in (args.skip_providers or []):
+        argv.append("--skip-flex")
+    return variants.main(argv)
+
+
 def cmd_bench(args, argv, device, parser) -> int:
+    if args.workload == "variants":
+        return cmd_bench_variants(args, device)
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     if args.list_providers:
         return list_providers(workloads, device)
@@ -358,8 +378,9 @@ def _shape_options() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", parents=[_shape_options()], help="side-by-side benchmark",
                            description="Benchmark flashkernel against every provider importable here.")
-    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "all"), default="all",
-                       help="what to benchmark (default: all)")
+    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "all"), default="all",
+                       help="what to benchmark (default: all = prefill and decode; variants: window, "
+                            "softcap, ALiBi, sinks, varlen against FlexAttention)")
     bench.add_argument("--quick", action="store_true", help="a short sweep")
     bench.add_argument("--providers", nargs="+", help="only these providers (see --list-providers)")
     bench.add_argument("--skip-providers", nargs="+", help="leave these providers out")

@@ -2,10 +2,11 @@
 against FlexAttention (torch.compile'd, compilation verified per shape) and FlashAttention when
 importable; and an A/B of the plain path against the kernels of the build before the variants.
 
-    PYTHONPATH=src python benchmarks/variants.py --out benchmarks/results/h200/variants.json
+    flashkernel bench variants --out benchmarks/results/h200          # writes variants.json there
+    python -m flashkernel.bench.variants --out variants.json             # the same, all options
     git show 2d1dec1:src/flashkernel/kernels/prefill.py > benchmarks/before_prefill.py
     git show 2d1dec1:src/flashkernel/kernels/decode.py > benchmarks/before_decode.py
-    PYTHONPATH=src python benchmarks/variants.py --cases plain-ab \\
+    python -m flashkernel.bench.variants --cases plain-ab \\
         --before-prefill benchmarks/before_prefill.py --before-decode benchmarks/before_decode.py
 
 Shapes: bf16, head dim 128, 16 heads (model dim 2048), MHA, causal.
@@ -34,17 +35,17 @@ import argparse
 import importlib.util
 import itertools
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 
 import flashkernel
 from flashkernel import reference
+from flashkernel.bench.results import git_commit
 
 HEADS, HEAD_DIM = 16, 128
 WINDOW_SEQLEN, WINDOW = 16384, 4096
@@ -463,15 +464,10 @@ def summary(rows) -> list[str]:
 
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    if len(commit) != 40:  # the GPU machine gets a copy without .git: the caller passes the commit
-        commit = os.environ.get("FLASHKERNEL_GIT_COMMIT", "unknown")
     return {"gpu": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "git_commit": commit, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "git_commit": git_commit(Path(__file__).resolve().parent),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": " ".join(sys.argv)}
 
 
