@@ -95,7 +95,7 @@ def test_empty_page_pool():
 
 
 def test_heads_not_multiple():
-    raises(ValueError, "k has 4 heads and q has 6", inputs(heads=(6, 4)))
+    raises(ValueError, "k_cache has 4 heads and q has 6", inputs(heads=(6, 4)))
 
 
 def test_unsupported_head_dim():

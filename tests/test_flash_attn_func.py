@@ -175,3 +175,19 @@ def test_unaligned_tensors():
     out = torch.full_like(q, float("nan"))
     prefill.attention_forward(q, k, v, out, None, causal=True, softmax_scale=0.125, force_tma=True)
     assert_output_close(out, q, k, v, causal=True)
+
+
+def test_caller_triton_allocator_is_restored():
+    """The launchers install their TMA scratch allocator for their own launches only."""
+    import triton
+    from triton.runtime import _allocation
+
+    def callers_allocator(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=DEVICE)
+
+    triton.set_allocator(callers_allocator)
+    q, k, v = random_qkv(1, 20, 20, 2, 1, 64, torch.float16)
+    flashkernel.flash_attn_func(q, k, v)
+    prefill.attention_forward(q, k, v, torch.empty_like(q), None, causal=False, softmax_scale=0.1,
+                              force_tma=True)
+    assert _allocation._allocator.get() is callers_allocator

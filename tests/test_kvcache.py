@@ -392,6 +392,18 @@ def test_kvcache_bookkeeping():
                             max_blocks_per_seq=1, device=DEVICE)
 
 
+def test_kvcache_advance_changes_nothing_when_it_fails():
+    """A failed advance leaves host and device lengths as they were (and in step)."""
+    cache = flashkernel.KVCache(num_blocks=4, page_size=4, num_kv_heads=1, head_dim=8, batch=2,
+                                max_blocks_per_seq=2, dtype=torch.float16, device=DEVICE)
+    cache.reserve(1, 0)  # room in sequence 0 only
+    with pytest.raises(ValueError, match="sequence 1 has no room reserved for 1 more tokens"):
+        cache.advance(1)
+    assert [cache.length(s) for s in range(2)] == [0, 0] and cache.cache_seqlens.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
+        cache.advance(-1)
+
+
 def test_kvcache_pool_exhausted():
     cache = flashkernel.KVCache(num_blocks=2, page_size=4, num_kv_heads=1, head_dim=8, batch=2,
                                 max_blocks_per_seq=4, dtype=torch.float16, device=DEVICE)

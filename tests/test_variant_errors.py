@@ -147,6 +147,9 @@ def test_cu_seqlens_type_and_shape():
     raises(ValueError, "cu_seqlens_q has 3 entries and cu_seqlens_k has 2: both must have batch",
            varlen_call, cu_seqlens_k=a["cu_seqlens_k"][:2])
     raises(TypeError, "cu_seqlens_q must be a torch.Tensor, got list", varlen_call, cu_seqlens_q=[0, 3, 8])
+    strided = torch.zeros(6, dtype=torch.int32, device=DEVICE)
+    strided[::2] = a["cu_seqlens_q"]
+    raises(ValueError, "cu_seqlens_q has stride 2; it must be contiguous", varlen_call, cu_seqlens_q=strided[::2])
 
 
 @pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])

@@ -88,10 +88,10 @@ def check_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
         )
 
 
-def check_kv_heads(num_q_heads: int, num_kv_heads: int) -> None:
+def check_kv_heads(num_q_heads: int, num_kv_heads: int, kv_name: str = "k") -> None:
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(
-            f"k has {num_kv_heads} heads and q has {num_q_heads}: the number of query heads "
+            f"{kv_name} has {num_kv_heads} heads and q has {num_q_heads}: the number of query heads "
             "must be a positive multiple of the number of key/value heads (GQA)"
         )
 
@@ -214,7 +214,7 @@ def check_kv_cache_pair(q, k_cache, v_cache, block_table) -> None:
         check_page_size(k_cache.shape[1])
         if k_cache.shape[0] == 0 and block_table.shape[1] > 0:
             raise ValueError("k_cache is a paged cache with 0 blocks: the page pool is empty")
-    check_kv_heads(q.shape[2], k_cache.shape[2])
+    check_kv_heads(q.shape[2], k_cache.shape[2], "k_cache")
 
 
 def check_new_kv(q, k, v, k_cache) -> None:
@@ -420,6 +420,10 @@ def check_cu_seqlens(name: str, x) -> None:
         raise ValueError(
             f"{name} must be 1-D of length batch + 1 (cumulative sequence lengths starting at 0), "
             f"got shape {tuple(x.shape)}"
+        )
+    if x.shape[0] > 1 and x.stride(0) != 1:
+        raise ValueError(
+            f"{name} has stride {x.stride(0)}; it must be contiguous (call .contiguous() on it)"
         )
 
 

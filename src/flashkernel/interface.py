@@ -6,6 +6,8 @@ This is the only module that turns user tensors into kernel launches. It validat
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _checks
@@ -27,6 +29,12 @@ def _validate_dense(q, k, v, causal, softmax_scale, return_lse) -> float:
     _checks.check_flag("causal", causal)
     _checks.check_flag("return_lse", return_lse)
     return _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
+
+
+def _on_device(x: torch.Tensor):
+    """Triton launches on the current CUDA device and stream: make the device ``x``'s for the
+    launches (sets a device index; no synchronisation, so CUDA-graph capture is unaffected)."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -147,9 +155,10 @@ def flash_attn_func(
     else:
         out = _empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
         lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device) if return_lse else None
-        prefill.attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                  window_size=window, softcap=cap, alibi_slopes=alibi_slopes,
-                                  sinks=sinks)
+        with _on_device(q):
+            prefill.attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                      window_size=window, softcap=cap, alibi_slopes=alibi_slopes,
+                                      sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -230,9 +239,10 @@ def flash_attn_varlen_func(
     else:
         out = _empty((total_q, num_heads, head_dim), q.dtype, q.device)
         lse = _empty((num_heads, total_q), torch.float32, q.device) if return_lse else None
-        prefill.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, lse,
-                               causal=causal, softmax_scale=scale, window_size=window,
-                               softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks)
+        with _on_device(q):
+            prefill.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, lse,
+                                   causal=causal, softmax_scale=scale, window_size=window,
+                                   softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -263,7 +273,8 @@ def standard_attention(
     else:
         out = _empty(q.shape, q.dtype, q.device)
         lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device)
-        naive.standard_attention(q, k, v, out, lse, causal=causal, softmax_scale=scale)
+        with _on_device(q):
+            naive.standard_attention(q, k, v, out, lse, causal=causal, softmax_scale=scale)
     return (out, lse) if return_lse else out
 
 
@@ -394,9 +405,10 @@ def flash_attn_with_kvcache(
     else:
         out = _empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
         lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device) if return_lse else None
-        decode.decode_forward(
-            q, k_cache, v_cache, cache_seqlens, block_table, out, lse, k_new=k, v_new=v,
-            causal=causal, softmax_scale=scale, num_splits=num_splits, window_size=window,
-            softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks,
-        )
+        with _on_device(q):
+            decode.decode_forward(
+                q, k_cache, v_cache, cache_seqlens, block_table, out, lse, k_new=k, v_new=v,
+                causal=causal, softmax_scale=scale, num_splits=num_splits, window_size=window,
+                softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks,
+            )
     return (out, lse) if return_lse else out

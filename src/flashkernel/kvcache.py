@@ -114,10 +114,14 @@ class KVCache:
 
     def advance(self, num_tokens: int, seqs=None) -> None:
         """Count ``num_tokens`` more tokens (already written, e.g. by a decode step) in ``seqs``."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         chosen = self._seqs(seqs)
+        # Check every sequence before changing any, so host and device lengths stay in step.
         for seq in chosen:
             if self._lengths[seq] + num_tokens > len(self._pages[seq]) * self.page_size:
                 raise ValueError(f"sequence {seq} has no room reserved for {num_tokens} more tokens")
+        for seq in chosen:
             self._lengths[seq] += num_tokens
         if seqs is None:
             self.cache_seqlens.add_(num_tokens)  # in place on the device, no sync

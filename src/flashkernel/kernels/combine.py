@@ -48,11 +48,14 @@ def _combine_kernel(
     row = pid // num_heads
     token = (row % seqlen).to(tl.int64)
     batch = (row // seqlen).to(tl.int64)
-    offs_p = tl.arange(0, BLOCK_P)
+    offs_p = tl.arange(0, BLOCK_P).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    # Part offsets in int64 (the parts may span more than 2**31 elements): the per-part index and
+    # the chunk step are both 64-bit, so no int32 product can wrap.
+    step_lse = (offs_p * 0 + stride_qs) * BLOCK_P  # [BLOCK_P] int64, every lane the same step
+    step_part = (offs_p * 0 + stride_ps) * BLOCK_P
 
-    # Pointers advance chunk by chunk (64-bit pointer arithmetic: parts may pass 2**31 elements).
     lse_ptrs = LsePart + batch * stride_qb + head * stride_qh + token * stride_qt + offs_p * stride_qs
     part_ptrs = (OutPart + batch * stride_pb + token * stride_pt + head * stride_ph
                  + offs_p[:, None] * stride_ps + offs_d[None, :])
@@ -63,7 +66,7 @@ def _combine_kernel(
     for p0 in range(0, num_parts, BLOCK_P):
         lse_p = tl.load(ptrs, mask=p0 + offs_p < num_parts, other=float("-inf"))
         m_p = tl.maximum(m_p, lse_p * 1.4426950408889634)
-        ptrs += BLOCK_P * stride_qs
+        ptrs += step_lse
     m = tl.max(m_p, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
 
@@ -76,8 +79,8 @@ def _combine_kernel(
         o_p = tl.load(part_ptrs, mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)
         acc_p += w[:, None] * o_p.to(tl.float32)
         total_p += w
-        lse_ptrs += BLOCK_P * stride_qs
-        part_ptrs += BLOCK_P * stride_ps
+        lse_ptrs += step_lse
+        part_ptrs += step_part[:, None]
     acc = tl.sum(acc_p, 0)
     total = tl.sum(total_p, 0)
 

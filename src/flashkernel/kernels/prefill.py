@@ -22,11 +22,13 @@ sequences' query tiles; each program finds its sequence from ``cu_seqlens_q`` on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from ._common import dot_flags, is_interpreted, padded_head_dim
 from ._softmax import (
@@ -438,8 +440,29 @@ def _attention_variant_kernel(
 
 
 def _scratch_allocator(size: int, alignment: int, stream):
-    """Global scratch for in-kernel TMA descriptors (128 bytes per descriptor per program)."""
+    """Global scratch for in-kernel TMA descriptors (128 bytes per descriptor per program), on
+    the current device (the face launches under ``torch.cuda.device(q.device)``)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _with_tma_scratch(launcher):
+    """Run ``launcher`` with Triton's allocator set to :func:`_scratch_allocator` for its
+    launches only, restoring the caller's afterwards. Triton reads the allocator from a context
+    variable at launch; where that variable is not there (other Triton versions), the public
+    setter is used, which changes it for the whole process."""
+    @functools.wraps(launcher)
+    def launch_with_scratch(*args, **kwargs):
+        var = getattr(_allocation, "_allocator", None)
+        if var is None or not hasattr(var, "reset"):
+            triton.set_allocator(_scratch_allocator)
+            return launcher(*args, **kwargs)
+        token = var.set(_scratch_allocator)
+        try:
+            return launcher(*args, **kwargs)
+        finally:
+            var.reset(token)
+
+    return launch_with_scratch
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:
@@ -467,11 +490,10 @@ def _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k):
     tma = tma and tma_compatible(q, k, v, out)
     if config is None:
         config = pick_config(q.shape[-1], q.dtype, interpreted, tma)
-    if tma and not interpreted:
-        triton.set_allocator(_scratch_allocator)
     return tma, config
 
 
+@_with_tma_scratch
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -547,6 +569,7 @@ def attention_forward(
     return compiled
 
 
+@_with_tma_scratch
 def varlen_forward(
     q: torch.Tensor,
     k: torch.Tensor,
