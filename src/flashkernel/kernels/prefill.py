@@ -5,6 +5,12 @@ in fp32 with exp2 and the scale folded into one multiply. Causal tiles entirely 
 diagonal are never visited; tiles fully below it run a loop with no masking at all, and only
 the diagonal / boundary tiles pay for masks.
 
+Tiles are loaded through TMA descriptors built in the kernel (Hopper, ``seqlen_k >=
+TMA_MIN_SEQLEN_K``, 16-byte aligned tensors; the hardware zero-fills rows past the end and the
+head-dim padding) or through pointers whose offsets are rebuilt from a scalar base every tile
+(2-D pointer tensors carried across iterations cost ~256 registers and spilled). One tuned table
+per path (docs/perf-notes.md).
+
 Launch grid: ``(num_query_tiles, Hq, B)``. Query tiles vary fastest so the programs resident
 at one time share one head's K/V in L2; with ``causal`` the longest tiles are issued first.
 
