@@ -224,3 +224,29 @@ def softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.co
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def attend_scores(acc, l_i, m_i, qk, v, row_pos, keys, length, qk_scale,
+                  window_left, window_right, softcap_in, softcap_out, alibi_rows,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A tile's raw scores ``qk = q.k^T`` -> modifiers, mask, one online-softmax step.
+
+    Shared by prefill and decode. ``row_pos [M]`` are the rows' positions (``i + Sk - Sq``),
+    ``keys [N]`` the tile's key indices, ``length`` the keys that exist. Without softcap/ALiBi
+    the scale stays folded into the exp2 (:func:`softmax_step_scaled`); masks only when ``MASKED``.
+    """
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
+                            HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
+            s = tl.where(visible, s, float("-inf"))
+        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION)
+    else:
+        if MASKED:
+            visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
+            qk = tl.where(visible, qk, float("-inf"))
+        acc, l_i, m_new = softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED, DOT_PRECISION)
+    return acc, l_i, m_new

@@ -51,15 +51,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_flags, is_interpreted, padded_head_dim
-from ._softmax import (
-    Variant,
-    modified_scores,
-    softmax_step,
-    softmax_step_scaled,
-    unmasked_run,
-    visible_keys,
-    window_span,
-)
+from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .combine import combine
 
 LOG2E = math.log2(math.e)
@@ -171,21 +163,9 @@ def _attend_cache_tile(
         v = v.to(tl.float32)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if HAS_SOFTCAP or HAS_ALIBI:
-        row_pos = row_token + causal_shift
-        s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
-                            HAS_SOFTCAP, HAS_ALIBI)
-        if MASKED:
-            visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
-            s = tl.where(visible, s, float("-inf"))
-        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION)
-    else:
-        if MASKED:
-            visible = visible_keys(row_token + causal_shift, keys, length, window_left, window_right,
-                                   CAUSAL, HAS_WINDOW)
-            qk = tl.where(visible, qk, float("-inf"))
-        acc, l_i, m_new = softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED, DOT_PRECISION)
-    return acc, l_i, m_new
+    return attend_scores(acc, l_i, m_i, qk, v, row_token + causal_shift, keys, length, qk_scale,
+                         window_left, window_right, softcap_in, softcap_out, alibi_rows,
+                         MASKED, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
 
 @triton.jit

@@ -37,15 +37,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from ._common import dot_flags, is_interpreted, padded_head_dim
-from ._softmax import (
-    Variant,
-    modified_scores,
-    softmax_step,
-    softmax_step_scaled,
-    unmasked_run,
-    visible_keys,
-    window_span,
-)
+from ._softmax import Variant, attend_scores, unmasked_run, window_span
 
 LOG2E = math.log2(math.e)
 MAX_GRID_YZ = 65535
@@ -144,23 +136,9 @@ def _attend_tile(
         v = v.to(tl.float32)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if HAS_SOFTCAP or HAS_ALIBI:
-        keys = start_n + offs_n
-        row_pos = offs_m + causal_shift
-        s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
-                            HAS_SOFTCAP, HAS_ALIBI)
-        if MASKED:
-            visible = visible_keys(row_pos, keys, seqlen_k, window_left, window_right, CAUSAL, HAS_WINDOW)
-            s = tl.where(visible, s, float("-inf"))
-        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION)
-    else:
-        if MASKED:
-            keys = start_n + offs_n
-            visible = visible_keys(offs_m + causal_shift, keys, seqlen_k, window_left, window_right,
-                                   CAUSAL, HAS_WINDOW)
-            qk = tl.where(visible, qk, float("-inf"))
-        acc, l_i, m_new = softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED, DOT_PRECISION)
-    return acc, l_i, m_new
+    return attend_scores(acc, l_i, m_i, qk, v, offs_m + causal_shift, start_n + offs_n, seqlen_k, qk_scale,
+                         window_left, window_right, softcap_in, softcap_out, alibi_rows,
+                         MASKED, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
 
 @triton.jit
