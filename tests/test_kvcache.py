@@ -6,6 +6,7 @@ and (2) each sequence's output and LSE against the float64 reference over its ke
 error bound relative to PyTorch's own same-dtype error (helpers.assert_output_close).
 """
 
+import functools
 import pytest
 import torch
 
@@ -280,8 +281,23 @@ def test_auto_splits_depend_on_shapes_only():
     assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False,
                                   paged=True) == 33
     assert decode.pick_num_splits(programs=512, capacity=131072, block_n=64, sms=132, interpreted=False) == 1
-    assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 2
+    assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 8
+    assert decode.pick_num_splits(programs=8, capacity=512, block_n=128, sms=132, interpreted=False) == 4
     assert decode.pick_num_splits(programs=1, capacity=10**6, block_n=64, sms=132, interpreted=False) == 128
+
+
+def test_configs_fit_the_work_per_program():
+    table = decode.DecodeConfig(128, 4, 3)
+    fit = functools.partial(decode.fit_config, sms=132, head_dim=128)
+    # B=1, 1k: 16 splits of 64 keys run 64-key tiles.
+    assert fit(table, tokens_per_program=64, grid=128, page_size=0).block_n == 64
+    # B=8, 32k: long splits keep the table's tiles.
+    assert fit(table, tokens_per_program=16384, grid=128, page_size=0) == table
+    # B=64, 1k: four waves of 1k-key programs over a contiguous cache: three programs per SM.
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=0) == decode.MULTI_WAVE_CONFIG
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=16) == table
+    assert decode.fit_config(table, 64, 128, 132, 0, head_dim=256) == table
 
 
 # ---- baseline ---------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 
@@ -27,6 +26,17 @@ def dot_flags(dtype: torch.dtype, interpreted: bool) -> dict:
     }
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` costs ~1 us per host call: it goes
+    through Triton's constexpr-function wrapper, and decode calls it on every step)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``), like ``triton.next_power_of_2``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def padded_head_dim(head_dim: int) -> int:
     """Tile width along head_dim: ``tl.arange`` needs a power of two (>= 16 for ``tl.dot``)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))

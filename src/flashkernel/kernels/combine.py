@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import padded_head_dim
+from ._common import next_power_of_2, padded_head_dim
+from ._launch import Launcher
 
 LOG2E = math.log2(math.e)
 MAX_TILE_ELEMENTS = 8192  # BLOCK_P * BLOCK_D: parts loaded at once per program
@@ -114,12 +115,12 @@ def combine(
     if batch == 0 or seqlen == 0 or num_heads == 0:
         return
     block_d = padded_head_dim(head_dim)
-    block_p = min(triton.next_power_of_2(num_parts), max(1, MAX_TILE_ELEMENTS // block_d))
+    block_p = min(next_power_of_2(num_parts), max(1, MAX_TILE_ELEMENTS // block_d))
     lse_arg = lse if lse is not None else lse_parts  # unused pointer when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0, 0, 0)
     grid = (batch * seqlen * num_heads,)
-    _combine_kernel[grid](
-        out_parts, lse_parts, out, lse_arg,
+    _launch_combine(
+        grid, out_parts, lse_parts, out, lse_arg,
         out_parts.stride(0), out_parts.stride(1), out_parts.stride(2), out_parts.stride(3),
         lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2), lse_parts.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
@@ -129,3 +130,6 @@ def combine(
         WRITE_LSE=lse is not None,
         num_warps=8 if block_p * block_d > 4096 else 4,
     )
+
+
+_launch_combine = Launcher(_combine_kernel)

@@ -50,7 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_flags, is_interpreted, padded_head_dim
+from ._common import cdiv, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
+from ._launch import Launcher
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .combine import combine
 
@@ -86,7 +87,17 @@ INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
 # 8, 64 on the H200: docs/perf-notes.md.
 WAVES_CONTIGUOUS = 1
 WAVES_PAGED = 2
-MIN_SPLIT_TOKENS = 256  # auto splits give each split at least this much of the capacity
+MIN_SPLIT_TOKENS = 64  # auto splits give each split at least this much of the capacity
+# Short work per program (measured at 1k contexts, docs/perf-notes.md "Short contexts"): splits
+# of at most SHORT_SPLIT_TOKENS keys use SHORT_BLOCK_N-key tiles (B=1, 1k: 16 splits of one
+# 64-key tile, 12.0 us, against 4 splits of 128-key tiles, 13.4 us); a contiguous-cache grid of
+# more than one wave whose programs read at most MULTI_WAVE_MAX_TOKENS keys uses the small
+# MULTI_WAVE_CONFIG, 64 KB of shared memory, so three programs share an SM and one's start
+# hides another's end (B=64, 1k: 77.7 us against 82.6).
+SHORT_SPLIT_TOKENS = 128
+SHORT_BLOCK_N = 64
+MULTI_WAVE_MAX_TOKENS = 2048
+MULTI_WAVE_CONFIG = DecodeConfig(32, 4, 4)
 MAX_AUTO_SPLITS = 128
 INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; a small count still exercises splitting
 MAX_TILE_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}  # row tile cap per padded D
@@ -497,6 +508,10 @@ def _append_kernel(
 # Host side: geometry, configs, splits, workspace, launchers
 # --------------------------------------------------------------------------------------------
 
+_launch_append = Launcher(_append_kernel)
+_launch_decode = Launcher(_decode_kernel)
+_launch_decode_variant = Launcher(_decode_variant_kernel)
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheGeometry:
@@ -531,9 +546,24 @@ def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size:
     return config
 
 
+@functools.lru_cache(maxsize=1024)
+def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: int, page_size: int,
+               head_dim: int) -> DecodeConfig:
+    """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
+    the ones measured): short splits get short tiles, multi-wave grids of short programs over a
+    contiguous cache get a config that fits three programs per SM."""
+    if padded_head_dim(head_dim) > 128:
+        return config
+    if page_size == 0 and grid > sms and tokens_per_program <= MULTI_WAVE_MAX_TOKENS:
+        return MULTI_WAVE_CONFIG
+    if tokens_per_program <= SHORT_SPLIT_TOKENS and config.block_n > SHORT_BLOCK_N:
+        return dataclasses.replace(config, block_n=SHORT_BLOCK_N)
+    return config
+
+
 def pick_block_m(rows: int, head_dim: int) -> int:
     """Row-tile height: all ``group * T`` rows when they fit, padded to >= 16 for ``tl.dot``."""
-    return max(16, min(triton.next_power_of_2(rows), MAX_TILE_ROWS[padded_head_dim(head_dim)]))
+    return max(16, min(next_power_of_2(rows), MAX_TILE_ROWS[padded_head_dim(head_dim)]))
 
 
 def _warps_for(config: DecodeConfig, block_m: int, head_dim: int) -> int:
@@ -577,7 +607,7 @@ def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interp
     # SMs ran at 2.75 TB/s, 16 splits at 3.92.
     wanted = (waves * sms) // max(programs, 1)
     min_tokens = block_n if interpreted else max(block_n, MIN_SPLIT_TOKENS)
-    by_context = max(1, triton.cdiv(capacity, min_tokens))
+    by_context = max(1, cdiv(capacity, min_tokens))
     return max(1, min(wanted, by_context, MAX_AUTO_SPLITS))
 
 
@@ -592,7 +622,7 @@ def workspace(device: torch.device, numel: int) -> torch.Tensor:
     decode step once before capturing it. Calls on one device share the buffer, so concurrent
     decode calls on different streams of one device are not supported.
     """
-    bucket = triton.next_power_of_2(max(numel, 1))
+    bucket = next_power_of_2(max(numel, 1))
     key = (device, bucket)
     buf = _WORKSPACES.get(key)
     if buf is None:
@@ -623,10 +653,10 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> Non
         return
     geometry = CacheGeometry.of(k_cache, block_table)
     block_d = padded_head_dim(head_dim)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, APPEND_TILE_ELEMENTS // block_d))
-    num_head_blocks = triton.cdiv(num_kv_heads, block_h)
+    block_h = min(next_power_of_2(num_kv_heads), max(1, APPEND_TILE_ELEMENTS // block_d))
+    num_head_blocks = cdiv(num_kv_heads, block_h)
     bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
-    _append_kernel[(batch * seqlen_new * num_head_blocks,)](
+    _launch_append((batch * seqlen_new * num_head_blocks,),
         k_new, v_new, k_cache, v_cache, bt, cache_seqlens,
         k_new.stride(0), k_new.stride(1), k_new.stride(2),
         v_new.stride(0), v_new.stride(1), v_new.stride(2),
@@ -668,25 +698,29 @@ def decode_forward(
     The variant arguments are those of ``flash_attn_with_kvcache``; the window is aligned to
     each sequence's end, and a sink joins split 0 only, so the combine counts it once.
     """
+    interpreted = is_interpreted(_decode_kernel)
     if k_new is not None:
         append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
     batch, seqlen_new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     geometry = CacheGeometry.of(k_cache, block_table)
-    interpreted = is_interpreted(_decode_kernel)
-    if config is None:
+    tuned = config is None
+    if tuned:
         config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size)
     group = num_heads // num_kv_heads
     block_m = pick_block_m(group * seqlen_new, head_dim)
-    num_row_tiles = triton.cdiv(group * seqlen_new, block_m)
+    num_row_tiles = cdiv(group * seqlen_new, block_m)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    programs = batch * num_kv_heads * num_row_tiles
+    span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1,
+                         config.block_n)
+    sms = sm_count(q.device, interpreted)
     if num_splits == 0:
-        programs = batch * num_kv_heads * num_row_tiles
-        span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1,
-                             config.block_n)
-        num_splits = pick_num_splits(programs, span, config.block_n,
-                                     sm_count(q.device, interpreted), interpreted,
-                                     paged=block_table is not None)
+        num_splits = pick_num_splits(programs, span, min(config.block_n, SHORT_BLOCK_N), sms,
+                                     interpreted, paged=block_table is not None)
+    if tuned and not interpreted and q.dtype != torch.float32:
+        config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms,
+                            geometry.page_size, head_dim)
 
     if num_splits == 1:
         target, target_lse = out, lse
@@ -704,8 +738,8 @@ def decode_forward(
 
     grid = (batch * num_kv_heads * num_splits * num_row_tiles,)
     if variant.is_plain:
-        _decode_kernel[grid](
-            q, k_cache, v_cache, bt, cache_seqlens, target,
+        _launch_decode(
+            grid, q, k_cache, v_cache, bt, cache_seqlens, target,
             target_lse if target_lse is not None else target,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -723,8 +757,8 @@ def decode_forward(
         )
     else:
         mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
-        _decode_variant_kernel[grid](
-            q, k_cache, v_cache, bt, cache_seqlens, target,
+        _launch_decode_variant(
+            grid, q, k_cache, v_cache, bt, cache_seqlens, target,
             target_lse if target_lse is not None else target,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
@@ -790,7 +824,7 @@ def baseline_decode(
         seqlen_new, seqlen_new if k_new is not None else 0, geometry.capacity, geometry.num_blocks,
         num_heads, num_heads // num_kv_heads, softmax_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_M=max(16, triton.next_power_of_2(seqlen_new)), BLOCK_N=config.block_n,
+        BLOCK_M=max(16, next_power_of_2(seqlen_new)), BLOCK_N=config.block_n,
         PAGE_SIZE=geometry.page_size, CAUSAL=causal, WRITE_LSE=lse is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **dot_flags(q.dtype, interpreted),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -469,6 +470,52 @@ def use_tma(q, k, v, out, interpreted: bool, seqlen_k: int | None = None) -> boo
     return torch.cuda.get_device_capability(q.device)[0] >= 9 and tma_compatible(q, k, v, out)
 
 
+# --------------------------------------------------------------------------------------------
+# The Gluon kernel (kernels/prefill_gluon.py) for the plain forward on Hopper
+# --------------------------------------------------------------------------------------------
+
+# Head dims where the Gluon kernel beat this file's Triton kernel at every measured shape (H200,
+# bf16, seqlen 1k/4k/16k, causal or not; docs/perf-notes.md "Gluon"). At d64 the Triton kernel
+# is as fast or faster, so it stays there.
+GLUON_HEAD_DIMS = (128, 256)
+GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    """``kernels.prefill_gluon``, or None where it cannot be imported (another Triton version)."""
+    try:
+        from . import prefill_gluon
+    except Exception:  # noqa: BLE001 - any import failure means "no Gluon path"
+        return None
+    return prefill_gluon
+
+
+def gluon_config(head_dim: int, causal: bool, seqlen_k: int):
+    """The Gluon kernel's overlap mode for one call: measured best per (causal, length) on the
+    H200. Non-causal: the two consumer warpgroups take turns on the tensor cores (ping-pong);
+    causal: each overlaps its softmax with its own previous PV product, except at <= 1k keys,
+    where the simple loop (fewer barrier round-trips per tile) wins."""
+    gluon = _gluon_module()
+    base = gluon.CONFIGS[head_dim]
+    if not causal:
+        return dataclasses.replace(base, pipeline=True, pingpong=True)
+    if seqlen_k <= 1024:
+        return dataclasses.replace(base, pipeline=False, pingpong=False)
+    return dataclasses.replace(base, pipeline=True, pingpong=False)
+
+
+def use_gluon(q, k, v, out, interpreted: bool) -> bool:
+    """Run the plain forward through the Gluon kernel (Hopper, bf16/fp16, head dim 128/256,
+    TMA-compatible tensors)?"""
+    if not GLUON_ENABLED or interpreted or q.shape[-1] not in GLUON_HEAD_DIMS:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    gluon = _gluon_module()
+    return gluon is not None and gluon.supported(q, k, v) and tma_compatible(out)
+
+
 def _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k):
     tma = use_tma(q, k, v, out, interpreted, seqlen_k) if force_tma is None else force_tma
     tma = tma and tma_compatible(q, k, v, out)
@@ -493,19 +540,34 @@ def attention_forward(
     sinks: torch.Tensor | None = None,
     config: TileConfig | None = None,
     force_tma: bool | None = None,
+    backend: str | None = None,
 ):
     """Launch the fused forward into ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (or None).
 
     Inputs are validated by the caller; batch, seqlen_q and seqlen_k are all >= 1. The variant
     arguments are those of ``flash_attn_func`` (``alibi_slopes [Hq]`` or ``[B, Hq]``, ``sinks
-    [Hq]``, float32). ``config`` and ``force_tma`` override the tuned choice (benchmarks and
-    tests use them). Returns the compiled kernel of the last launch (for resource reports).
+    [Hq]``, float32). ``backend``: ``"triton"`` (this file's kernels), ``"gluon"`` (the Gluon
+    kernel, plain attention on Hopper only) or None: Gluon where :func:`use_gluon` says so for a
+    plain call, else Triton. ``config`` and ``force_tma`` override the tuned Triton choice
+    (benchmarks and tests use them; they select the Triton kernel). Returns the compiled Triton
+    kernel of the last launch (for resource reports), None after a Gluon launch.
     """
     batch, seqlen_q, num_q_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     interpreted = is_interpreted(_attention_fwd_kernel)
-    tma, config = _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    if backend is None:
+        automatic = variant.is_plain and config is None and force_tma is None
+        backend = "gluon" if automatic and use_gluon(q, k, v, out, interpreted) else "triton"
+    if backend == "gluon":
+        if not variant.is_plain:
+            raise ValueError("the Gluon prefill kernel runs plain attention only (no window, softcap, "
+                             "ALiBi or sinks)")
+        _gluon_module().gluon_attention_forward(q, k, v, out, lse, causal=variant.causal,
+                                                softmax_scale=softmax_scale,
+                                                config=gluon_config(head_dim, variant.causal, seqlen_k))
+        return None
+    tma, config = _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k)
     lse_arg = lse if lse is not None else out  # unused pointer when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     # Grid axes 1 and 2 are limited to 65535: launch large batches in chunks.

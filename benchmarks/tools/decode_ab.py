@@ -1,0 +1,243 @@
+"""Decode A/B experiments on the GPU: launch path, split counts and tiles at short contexts.
+
+    PYTHONPATH=src python benchmarks/tools/decode_ab.py --out decode-ab.json
+
+1. ``host``: host time of one eager step (perf_counter over many calls, the GPU never the
+   bottleneck): Triton's launch vs the cached compiled kernel (``_launch.FAST_LAUNCH``), with
+   and without appending new k/v.
+2. ``gpu``: GPU time, graph-replayed and eager, against cuDNN SDPA (eager and graph-replayed)
+   on the same shapes.
+3. Short contexts (1k): split counts and tile configs, graph-replayed.
+4. ``host-profile``: pieces of an eager step timed alone, and cProfile of the whole step.
+5. ``rules``: this build's split/tile rules against the previous ones (``OLD_RULES``), same run.
+Shapes are issue 4's: bf16, 32 query heads, 8 KV heads, head dim 128, one new token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from decode import (HEAD_DIM, HEADS, KV_HEADS, Problem, SDPA_PROVIDERS, environment,  # noqa: E402
+                    graph_replay)
+
+import flashkernel  # noqa: E402
+from flashkernel.kernels import _launch, decode  # noqa: E402
+
+
+def gpu_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def host_us(fn, n=2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def set_fast_launch(fast: bool) -> None:
+    _launch.FAST_LAUNCH = fast
+
+
+def step(p: Problem, k_cache, v_cache, block_table, append: bool, **kw):
+    k_new = torch.randn(p.batch, 1, KV_HEADS, HEAD_DIM, device="cuda", dtype=p.dtype) if append else None
+    v_new = torch.randn_like(k_new) if append else None
+    seqlens = p.seqlens - 1 if append else p.seqlens
+
+    def run():
+        return flashkernel.flash_attn_with_kvcache(p.q, k_cache, v_cache, k=k_new, v=v_new,
+                                                   cache_seqlens=seqlens, block_table=block_table, **kw)
+    return run
+
+
+def host_section(rows):
+    p = Problem(1, 1024, torch.bfloat16)
+    for append in (False, True):
+        for fast in (False, True):
+            set_fast_launch(fast)
+            us = host_us(step(p, p.k, p.v, None, append))
+            rows.append({"section": "host", "append": append, "fast_launch": fast, "host_us": us})
+            print(f"host B=1 1k append={append} fast={fast}: {us:.1f} us/call", flush=True)
+    cudnn = SDPA_PROVIDERS["sdpa_cudnn"](p, (p.k.transpose(1, 2).contiguous(), p.v.transpose(1, 2).contiguous()))
+    us = host_us(cudnn)
+    rows.append({"section": "host", "provider": "sdpa_cudnn", "host_us": us})
+    print(f"host B=1 1k sdpa_cudnn: {us:.1f} us/call", flush=True)
+    set_fast_launch(True)
+
+
+def gpu_section(rows):
+    cases = [(1, 1024, "contiguous"), (1, 1024, "paged16"), (1, 4096, "contiguous"), (1, 32768, "contiguous"),
+             (1, 131072, "contiguous"), (8, 1024, "contiguous"), (8, 1024, "paged16"), (8, 32768, "contiguous"),
+             (64, 1024, "contiguous"), (64, 1024, "paged16")]
+    problems = {}
+    for batch, context, layout in cases:
+        if (batch, context) not in problems:
+            problems = {(batch, context): Problem(batch, context, torch.bfloat16)}
+            torch.cuda.empty_cache()
+        p = problems[(batch, context)]
+        k_cache, v_cache, block_table = p.layout(layout)
+        row = {"section": "gpu", "batch": batch, "context": context, "layout": layout}
+        fn = step(p, k_cache, v_cache, block_table, append=False)
+        replay, _ = graph_replay(fn)
+        row["graph_us"] = gpu_us(replay)
+        row["eager_us"] = gpu_us(fn)
+        if layout == "contiguous":
+            dense = (p.k.transpose(1, 2).contiguous(), p.v.transpose(1, 2).contiguous())
+            cudnn = SDPA_PROVIDERS["sdpa_cudnn"](p, dense)
+            row["cudnn_eager_us"] = gpu_us(cudnn)
+            try:
+                replay, _ = graph_replay(cudnn)
+                row["cudnn_graph_us"] = gpu_us(replay)
+            except Exception as exc:  # noqa: BLE001
+                row["cudnn_graph_error"] = str(exc)[:200]
+        rows.append(row)
+        print("gpu " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                                if k != "section"), flush=True)
+
+
+def split_section(rows):
+    configs = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 4), (128, 4, 2), (64, 8, 3)]
+    for batch, layout in ((1, "contiguous"), (1, "paged16"), (8, "contiguous"), (8, "paged16"),
+                          (64, "contiguous"), (64, "paged16")):
+        p = Problem(batch, 1024, torch.bfloat16)
+        k_cache, v_cache, block_table = p.layout(layout)
+        results = []
+        for cand in configs:
+            for splits in ((1, 2, 4, 8, 16) if batch == 1 else (1, 2, 4)):
+                config = decode.DecodeConfig(*cand)
+                out = torch.empty_like(p.q)
+
+                def run():
+                    decode.decode_forward(p.q, k_cache, v_cache, p.seqlens, block_table, out, None,
+                                          causal=True, softmax_scale=HEAD_DIM ** -0.5, num_splits=splits,
+                                          config=config)
+                    return out
+                try:
+                    replay, captured = graph_replay(run)
+                    replay()
+                    torch.cuda.synchronize()
+                    err = p.max_error(captured)
+                    us = gpu_us(replay)
+                    results.append({"config": cand, "splits": splits, "graph_us": us, "max_err": err})
+                except Exception as exc:  # noqa: BLE001
+                    results.append({"config": cand, "splits": splits, "error": str(exc)[:200]})
+        ok = [r for r in results if "graph_us" in r]
+        best = min(ok, key=lambda r: r["graph_us"])
+        rows.append({"section": "splits", "batch": batch, "context": 1024, "layout": layout, "results": results})
+        print(f"splits B={batch} 1k {layout}: " + " ".join(
+            f"{r['config']}/{r['splits']}={r.get('graph_us', float('nan')):.1f}" for r in results), flush=True)
+        print(f"  best {best['config']} splits={best['splits']} {best['graph_us']:.1f} us", flush=True)
+
+
+def host_profile_section(rows):
+    """Where one eager step's host time goes: a few pieces timed alone, then cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    from flashkernel import _checks, interface
+
+    p = Problem(1, 1024, torch.bfloat16)
+    out = torch.empty_like(p.q)
+
+    def guard():
+        with interface._on_device(p.q):
+            pass
+    pieces = {
+        "whole step": step(p, p.k, p.v, None, append=False),
+        "validation": lambda: (interface._validate_kvcache(p.q, p.k, p.v, None, None, p.seqlens, None, True,
+                                                           None, 0, False, None),
+                               _checks.check_variant(p.q, 1, HEADS, _checks.NO_WINDOW, 0.0, None, None)),
+        "torch.empty out": lambda: torch.empty_like(p.q),
+        "device guard": guard,
+        "decode_forward": lambda: decode.decode_forward(p.q, p.k, p.v, p.seqlens, None, out, None, causal=True,
+                                                        softmax_scale=HEAD_DIM ** -0.5),
+        "decode_forward 1 split": lambda: decode.decode_forward(p.q, p.k, p.v, p.seqlens, None, out, None,
+                                                                causal=True, softmax_scale=HEAD_DIM ** -0.5,
+                                                                num_splits=1),
+    }
+    for name, fn in pieces.items():
+        us = host_us(fn)
+        rows.append({"section": "host-profile", "piece": name, "host_us": us})
+        print(f"host piece {name}: {us:.1f} us", flush=True)
+    fn = pieces["whole step"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(2000):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue(), flush=True)
+
+
+OLD_RULES = dict(MIN_SPLIT_TOKENS=256, SHORT_SPLIT_TOKENS=0, MULTI_WAVE_MAX_TOKENS=0)
+
+
+def rules_section(rows):
+    """Split/tile rules of this build against the ones before (same run, graph replays)."""
+    new_rules = {name: getattr(decode, name) for name in OLD_RULES}
+    cases = [(1, 1024), (1, 2048), (1, 4096), (8, 1024), (8, 2048), (16, 1024), (32, 1024), (32, 2048),
+             (64, 1024), (64, 2048), (64, 4096), (128, 1024)]
+    for batch, context in cases:
+        p = Problem(batch, context, torch.bfloat16)
+        layouts = ("contiguous", "paged16", "paged256") if batch in (1, 8) else ("contiguous", "paged16")
+        for layout in layouts:
+            k_cache, v_cache, block_table = p.layout(layout)
+            row = {"section": "rules", "batch": batch, "context": context, "layout": layout}
+            for label, rules in (("old", OLD_RULES), ("new", new_rules)):
+                for name, value in rules.items():
+                    setattr(decode, name, value)
+                fn = step(p, k_cache, v_cache, block_table, append=False)
+                replay, captured = graph_replay(fn)
+                replay()
+                torch.cuda.synchronize()
+                row[f"{label}_err"] = p.max_error(captured)
+                row[f"{label}_us"] = gpu_us(replay)
+            if layout == "contiguous":
+                dense = (p.k.transpose(1, 2).contiguous(), p.v.transpose(1, 2).contiguous())
+                replay, _ = graph_replay(SDPA_PROVIDERS["sdpa_cudnn"](p, dense))
+                row["cudnn_graph_us"] = gpu_us(replay)
+                del dense
+            rows.append(row)
+            print("rules " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in row.items() if k != "section"), flush=True)
+        del p
+        torch.cuda.empty_cache()
+    for name, value in new_rules.items():
+        setattr(decode, name, value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", default=["host", "gpu", "splits", "host-profile", "rules"])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows = []
+    for name in args.sections:
+        {"host": host_section, "gpu": gpu_section, "splits": split_section, "host-profile": host_profile_section,
+         "rules": rules_section}[name](rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

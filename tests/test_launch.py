@@ -1,0 +1,68 @@
+"""The fast launcher's cache key never maps two launches Triton specializes differently to one
+compiled kernel (checked against Triton's own specialization, no GPU needed)."""
+
+import pytest
+import torch
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.nvidia.compiler import CUDABackend
+
+from flashkernel.kernels import _common, _launch
+
+INTS = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+        -(2**31), -(2**31) - 1, -(2**31) - 16, 2**63 - 16, 2**63, 2**64 - 16]
+
+
+def _tensors():
+    base = torch.empty(64, dtype=torch.float32)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int32):
+        flat = base.view(dtype)
+        for offset in (0, 1, 2, 4, 8):
+            yield flat[offset:]
+
+
+VALUES = INTS + [1.0, 0.5, 16.0, True, False, None] + list(_tensors())
+
+
+@pytest.mark.parametrize("specialize", [True, False])
+def test_equal_keys_mean_equal_triton_specializations(specialize):
+    seen = {}
+    for value in VALUES:
+        ours = _launch.launch_key([value])
+        triton_spec = native_specialize_impl(CUDABackend, value, False, specialize, True)
+        seen.setdefault(ours, set()).add(triton_spec)
+    clashes = {key: specs for key, specs in seen.items() if len(specs) > 1}
+    assert not clashes, f"one launcher key covers several Triton specializations: {clashes}"
+    assert len(seen) < len(VALUES)  # aligned tensors of one dtype do share a key
+
+
+def test_key_separates_what_triton_separates():
+    # The test above can fail: Triton does tell these apart, and so must the key.
+    t = torch.empty(16, dtype=torch.float16)
+    for a, b in [(16, 17), (1, 2), (2**31 - 16, 2**31), (t, t[1:]), (t, t.float()), (1, 1.0), (1, True), (16, 16.0)]:
+        assert (native_specialize_impl(CUDABackend, a, False, True, True)
+                != native_specialize_impl(CUDABackend, b, False, True, True))
+        assert _launch.launch_key([a]) != _launch.launch_key([b])
+
+
+def test_interpreted_kernels_launch_through_triton(monkeypatch):
+    calls = []
+
+    class FakeKernel:
+        arg_names = ["X", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs)) or "compiled"
+
+    monkeypatch.setattr(_launch, "is_interpreted", lambda kernel: True)
+    launcher = _launch.Launcher(FakeKernel())
+    assert launcher.interpreted
+    for _ in range(2):
+        assert launcher((3,), torch.zeros(4), 4, BLOCK=16, num_warps=4) == "compiled"
+    assert len(calls) == 2 and calls[0][2] == {"BLOCK": 16, "num_warps": 4}
+    assert not launcher.compiled
+
+
+def test_host_integer_helpers_match_triton():
+    import triton
+    assert all(_common.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 3000))
+    assert all(_common.cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 200) for b in range(1, 40))

@@ -1,0 +1,95 @@
+"""The Gluon prefill kernel (Hopper only) against the float64 reference, and its dispatch."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashkernel
+from flashkernel.kernels import prefill
+from helpers import DEVICE, DTYPES, ON_GPU, assert_output_close, random_qkv
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs an sm_90 GPU")
+MODES = {"simple": (False, False), "pipeline": (True, False), "pingpong": (True, True)}
+LENGTHS = [(1, 1), (63, 63), (200, 200), (1000, 1000), (1, 1000), (200, 1000), (1000, 200), (63, 1),
+           (129, 4100)]
+
+
+def test_module_imports_and_configs_exist():
+    gluon = prefill._gluon_module()
+    assert gluon is not None, "kernels/prefill_gluon.py failed to import with this Triton"
+    assert set(prefill.GLUON_HEAD_DIMS) <= set(gluon.CONFIGS)
+
+
+def test_overlap_mode_per_call():
+    full = prefill.gluon_config(128, causal=False, seqlen_k=16384)
+    assert full.pipeline and full.pingpong
+    long_causal = prefill.gluon_config(128, causal=True, seqlen_k=4096)
+    assert long_causal.pipeline and not long_causal.pingpong
+    short_causal = prefill.gluon_config(256, causal=True, seqlen_k=1024)
+    assert not short_causal.pipeline and not short_causal.pingpong
+
+
+def test_interpreter_and_unsupported_calls_use_triton():
+    q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.float16)
+    out = torch.empty_like(q)
+    assert not prefill.use_gluon(q, k, v, out, interpreted=True)
+    q64, k64, v64 = random_qkv(1, 8, 8, 2, 1, 64, torch.float16)
+    assert not prefill.use_gluon(q64, k64, v64, torch.empty_like(q64), interpreted=False)
+    q32, k32, v32 = (x.float() for x in (q, k, v))
+    assert not prefill.use_gluon(q32, k32, v32, torch.empty_like(q32), interpreted=False)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS)
+def test_gluon_kernel_gpu(seqlen_q, seqlen_k, head_dim, causal, dtype, mode):
+    gluon = prefill._gluon_module()
+    pipeline, pingpong = MODES[mode]
+    config = dataclasses.replace(gluon.CONFIGS[head_dim], pipeline=pipeline, pingpong=pingpong)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 4, seqlen_q), float("nan"), device=DEVICE)
+    gluon.gluon_attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5,
+                                  config=config)
+    assert_output_close(out, q, k, v, causal=causal, lse=lse)
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gluon_reads_and_writes_only_its_rows_gpu():
+    """Views into a NaN-filled buffer with extra rows and heads: any read outside the view would
+    put NaN into the output, any write outside it would change the guard."""
+    batch, seqlen, heads, head_dim = 2, 200, 4, 128
+    q_store = torch.full((batch, seqlen + 37, heads + 1, head_dim), float("nan"), device=DEVICE,
+                         dtype=torch.bfloat16)
+    q = q_store[:, 5:5 + seqlen, 1:]
+    q.copy_(torch.randn_like(q))
+    k, v = (torch.randn(batch, seqlen, 2, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    out_store = torch.full_like(q_store, float("nan"))
+    out = out_store[:, 5:5 + seqlen, 1:]
+    assert prefill.use_gluon(q, k, v, out, interpreted=False)
+    prefill.attention_forward(q, k, v, out, None, causal=True, softmax_scale=0.1)
+    assert_output_close(out, q, k, v, causal=True, softmax_scale=0.1)
+    guard = out_store.clone()
+    guard[:, 5:5 + seqlen, 1:] = float("nan")
+    assert torch.isnan(guard).all()
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_uses_gluon_at_head_dim_128_gpu(causal, monkeypatch):
+    calls = []
+    gluon = prefill._gluon_module()
+    original = gluon.gluon_attention_forward
+    monkeypatch.setattr(gluon, "gluon_attention_forward", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    q, k, v = random_qkv(1, 300, 300, 4, 4, 128, torch.bfloat16)
+    out = flashkernel.flash_attn_func(q, k, v, causal=causal)
+    assert len(calls) == 1
+    assert_output_close(out, q, k, v, causal=causal)
