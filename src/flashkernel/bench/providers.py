@@ -144,6 +144,22 @@ def build_flashkernel_prefill(inputs: PrefillInputs) -> Prepared:
     return Prepared(lambda: fn(inputs.q, inputs.k, inputs.v, causal=inputs.causal))
 
 
+def build_flashkernel_triton_prefill(inputs: PrefillInputs) -> Prepared:
+    """flashkernel's Triton forward kernel alone (``flash_attn_func`` takes the Gluon kernel at
+    head dims 128/256 on Hopper): the two measured side by side."""
+    from flashkernel.kernels import prefill
+
+    q, k, v = inputs.q, inputs.k, inputs.v
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+
+    def run():
+        prefill.attention_forward(q, k, v, out, None, causal=inputs.causal, softmax_scale=scale,
+                                  backend="triton")
+        return out
+    return Prepared(run)
+
+
 def build_standard_prefill(inputs: PrefillInputs) -> Prepared:
     import flashkernel
 
@@ -245,8 +261,10 @@ def prefill_providers() -> list[Provider]:
     from . import external, flex
 
     return [
-        Provider("flashkernel", "prefill", "flashkernel.flash_attn_func (fused Triton kernel)",
-                 lambda _d: None, build_flashkernel_prefill),
+        Provider("flashkernel", "prefill", "flashkernel.flash_attn_func (fused kernel: Gluon at d128/d256 "
+                 "on Hopper, else Triton)", lambda _d: None, build_flashkernel_prefill),
+        Provider("flashkernel-triton", "prefill", "flashkernel's Triton forward kernel alone",
+                 lambda _d: None, build_flashkernel_triton_prefill),
         Provider("standard", "prefill", "flashkernel.standard_attention (3 kernels, N x N in memory)",
                  lambda _d: None, build_standard_prefill),
         *_sdpa_providers("prefill"),
