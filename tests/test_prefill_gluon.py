@@ -11,7 +11,18 @@ from helpers import DEVICE, DTYPES, ON_GPU, assert_output_close, random_qkv
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs an sm_90 GPU")
-MODES = {"simple": (False, False), "pipeline": (True, False), "pingpong": (True, True)}
+# Configurations under test: name -> (head dims, changes to the head dim's default config).
+MODES = {
+    "simple": ((64, 128, 256), dict(pipeline=False, pingpong=False)),
+    "pipeline": ((64, 128, 256), dict(pipeline=True, pingpong=False)),
+    "pingpong": ((64, 128, 256), dict(pipeline=True, pingpong=True)),
+    "persistent": ((64, 128, 256), dict(pipeline=True, persistent=True)),
+    "persistent_pingpong": ((64, 128, 256), dict(pipeline=True, pingpong=True, persistent=True)),
+    # A grid of 7 programs: each runs many work items, so the hand-over between items is tested.
+    "persistent_7": ((64, 128, 256), dict(pipeline=True, persistent=True, max_programs=7)),
+    "d64_3wg": ((64,), dict(num_consumers=3)),
+    "d64_3wg_persistent_7": ((64,), dict(num_consumers=3, persistent=True, max_programs=7)),
+}
 LENGTHS = [(1, 1), (63, 63), (200, 200), (1000, 1000), (1, 1000), (200, 1000), (1000, 200), (63, 1),
            (129, 4100)]
 
@@ -22,21 +33,22 @@ def test_module_imports_and_configs_exist():
     assert set(prefill.GLUON_HEAD_DIMS) <= set(gluon.CONFIGS)
 
 
-def test_overlap_mode_per_call():
-    full = prefill.gluon_config(128, causal=False, seqlen_k=16384)
-    assert full.pipeline and full.pingpong
-    long_causal = prefill.gluon_config(128, causal=True, seqlen_k=4096)
-    assert long_causal.pipeline and not long_causal.pingpong
-    short_causal = prefill.gluon_config(256, causal=True, seqlen_k=1024)
-    assert not short_causal.pipeline and not short_causal.pingpong
+def test_config_per_call():
+    long = prefill.gluon_config(128, causal=False, seqlen_k=16384)
+    assert long.pipeline and long.pingpong and not long.persistent
+    short = prefill.gluon_config(256, causal=True, seqlen_k=4096)
+    assert short.pipeline and short.persistent and not short.pingpong
+    assert prefill.gluon_config(64, causal=False, seqlen_k=1024).num_consumers == 3
+    short_causal_d64 = prefill.gluon_config(64, causal=True, seqlen_k=1024)
+    assert short_causal_d64.num_consumers == 2 and short_causal_d64.persistent and short_causal_d64.pingpong
 
 
 def test_interpreter_and_unsupported_calls_use_triton():
     q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.float16)
     out = torch.empty_like(q)
     assert not prefill.use_gluon(q, k, v, out, interpreted=True)
-    q64, k64, v64 = random_qkv(1, 8, 8, 2, 1, 64, torch.float16)
-    assert not prefill.use_gluon(q64, k64, v64, torch.empty_like(q64), interpreted=False)
+    q72, k72, v72 = random_qkv(1, 8, 8, 2, 1, 72, torch.float16)
+    assert not prefill.use_gluon(q72, k72, v72, torch.empty_like(q72), interpreted=False)
     q32, k32, v32 = (x.float() for x in (q, k, v))
     assert not prefill.use_gluon(q32, k32, v32, torch.empty_like(q32), interpreted=False)
 
@@ -50,8 +62,11 @@ def test_interpreter_and_unsupported_calls_use_triton():
 @pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS)
 def test_gluon_kernel_gpu(seqlen_q, seqlen_k, head_dim, causal, dtype, mode):
     gluon = prefill._gluon_module()
-    pipeline, pingpong = MODES[mode]
-    config = dataclasses.replace(gluon.CONFIGS[head_dim], pipeline=pipeline, pingpong=pingpong)
+    head_dims, changes = MODES[mode]
+    if head_dim not in head_dims:
+        pytest.skip(f"{mode} is a head dim {head_dims} configuration")
+    base = gluon.D64_3WG if changes.get("num_consumers") == 3 else gluon.CONFIGS[head_dim]
+    config = dataclasses.replace(base, **{k: v for k, v in changes.items() if k != "num_consumers"})
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((2, 4, seqlen_q), float("nan"), device=DEVICE)

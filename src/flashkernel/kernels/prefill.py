@@ -474,11 +474,12 @@ def use_tma(q, k, v, out, interpreted: bool, seqlen_k: int | None = None) -> boo
 # The Gluon kernel (kernels/prefill_gluon.py) for the plain forward on Hopper
 # --------------------------------------------------------------------------------------------
 
-# Head dims where the Gluon kernel beat this file's Triton kernel at every measured shape (H200,
-# bf16, seqlen 1k/4k/16k, causal or not; docs/perf-notes.md "Gluon"). At d64 the Triton kernel
-# is as fast or faster, so it stays there.
-GLUON_HEAD_DIMS = (128, 256)
+# The Gluon kernel runs the plain forward at these head dims on Hopper (bf16/fp16): it beat this
+# file's Triton kernel at every measured shape (H200, seqlen 1k/4k/16k, causal or not;
+# docs/perf-notes.md "Gluon").
+GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
+GLUON_LONG_KEYS = 4096  # above: one program per query tile; at or below: a persistent grid
 
 
 @functools.lru_cache(maxsize=None)
@@ -492,21 +493,29 @@ def _gluon_module():
 
 
 def gluon_config(head_dim: int, causal: bool, seqlen_k: int):
-    """The Gluon kernel's overlap mode for one call: measured best per (causal, length) on the
-    H200. Non-causal: the two consumer warpgroups take turns on the tensor cores (ping-pong);
-    causal: each overlaps its softmax with its own previous PV product, except at <= 1k keys,
-    where the simple loop (fewer barrier round-trips per tile) wins."""
+    """The Gluon kernel's configuration for one call, the measured best per shape class (H200,
+    ``benchmarks/tools/gluon_check.py``, docs/perf-notes.md):
+
+    * d128/d256 with more than ``GLUON_LONG_KEYS`` keys: one program per query tile, the two
+      consumer warpgroups taking turns on the tensor cores (ping-pong);
+    * d128/d256 up to ``GLUON_LONG_KEYS`` keys: a persistent grid (the next tile's Q and K/V load
+      during this tile's last products and output store), each warpgroup overlapping its
+      softmax with its previous PV product;
+    * d64: three consumer warpgroups (192-row tiles) on a persistent grid, except causal below
+      ``GLUON_LONG_KEYS`` keys, where the 2-warpgroup persistent ping-pong loop balances better.
+    """
     gluon = _gluon_module()
-    base = gluon.CONFIGS[head_dim]
-    if not causal:
-        return dataclasses.replace(base, pipeline=True, pingpong=True)
-    if seqlen_k <= 1024:
-        return dataclasses.replace(base, pipeline=False, pingpong=False)
-    return dataclasses.replace(base, pipeline=True, pingpong=False)
+    if head_dim == 64:
+        if causal and seqlen_k < GLUON_LONG_KEYS:
+            return dataclasses.replace(gluon.PERSISTENT_CONFIGS[64], pingpong=True)
+        return dataclasses.replace(gluon.D64_3WG, persistent=True)
+    if seqlen_k <= GLUON_LONG_KEYS:
+        return gluon.PERSISTENT_CONFIGS[head_dim]
+    return dataclasses.replace(gluon.CONFIGS[head_dim], pingpong=True)
 
 
 def use_gluon(q, k, v, out, interpreted: bool) -> bool:
-    """Run the plain forward through the Gluon kernel (Hopper, bf16/fp16, head dim 128/256,
+    """Run the plain forward through the Gluon kernel (Hopper, bf16/fp16, head dim 64/128/256,
     TMA-compatible tensors)?"""
     if not GLUON_ENABLED or interpreted or q.shape[-1] not in GLUON_HEAD_DIMS:
         return False

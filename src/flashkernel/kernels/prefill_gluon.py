@@ -5,7 +5,8 @@ CTA per SM runs softmax and wgmma in the same warps, one after the other (docs/p
 "Toward cuDNN"). Gluon (``triton.experimental.gluon``, Triton 3.6) exposes what is needed to
 overlap them: warp-specialized partitions, mbarriers, TMA and asynchronous wgmma.
 
-Design (one CTA = one 128-row query tile of one (batch, head); 3 warpgroups, 384 threads):
+Design (one CTA = one 128-row query tile of one (batch, head); 3 warpgroups, 384 threads; the
+persistent and 3-warpgroup options are described after the default design):
 
 * **Producer partition** (1 warp, 24 registers): loads the two 64-row Q halves once, then
   streams K and V tiles of ``BLOCK_N`` keys into a ``STAGES``-deep shared-memory ring. K and V
@@ -45,15 +46,34 @@ Design (one CTA = one 128-row query tile of one (batch, head); 3 warpgroups, 384
   of one head are adjacent (they share K/V in L2); with ``causal`` the longest tiles (most keys)
   are issued first across all heads, so the short ones fill the tail.
 
-Tile shapes per head dim (``CONFIGS``; shared memory = Q 2x64xD + STAGES x (K + V) BLOCK_N x D):
+* **Persistent grid** (``GluonConfig.persistent``, off by default): ``min(#SMs, work items)``
+  programs, each looping over work items ``(query tile, head, batch)``: program ``p`` of ``G``
+  takes item ``n G + p`` in round ``n`` (with ``causal``, ``n G + G - 1 - p`` in odd rounds: a
+  snake over the longest-first order, so no program gets the longest item of every round). The
+  producer runs ahead into the next item: each consumer has its own Q buffer with a
+  ``q_ready``/``q_empty`` pair, released right after its last ``S = Q K^T`` of the item, so
+  the next Q loads during the last softmax, ``P V`` and the epilogue; the K/V ring just goes on
+  across items (ring uses, ping-pong rounds and Q phases are running counts that the producer
+  and every consumer derive from the same item sequence). O is staged in its own shared buffer
+  (``separate_o``; by default when it fits: d64 and d128) and its TMA store is waited for only
+  before that buffer is reused, one item later; at d256 (no room) O goes through Q's buffer
+  and ``q_empty`` is released after the store. The pipelined loop's schedule fence uses a
+  dedicated barrier (the Q barriers cycle). The causal mask compares the tile-local column with
+  one per-row limit (``FUSED_MASK``), which keeps d128 causal free of spills.
+* **3 consumer warpgroups** (``num_consumers=3``, 192-row tiles, ``D64_3WG``): for d64, more
+  rows per K/V tile (FA3's d64 tile). 4 warpgroups share the registers: 160 per consumer, so
+  the pipelined loop at BLOCK_N 128 spills; ``D64_3WG`` runs the simple loop (3 warpgroups
+  still interleave), or pipelined at BLOCK_N 64.
+
+Tile shapes per head dim (``CONFIGS``; shared memory = Q 2x64xD + STAGES x (K + V) BLOCK_N x D,
+plus 2x64xD for the persistent kernel's O buffer at d64/d128):
 d64: BLOCK_N 128, 3 stages (112 KB); d128: 128, 2 stages (160 KB); d256: 64, 2 stages (192 KB).
 
-Next steps (not done here): a persistent grid with a tile scheduler (causal tails, descriptor
-prefetch), an ``O`` store through a separate buffer so the next tile's Q can load early,
-``BLOCK_N`` 176 at d128 / 3 consumer warpgroups at d64 as FA3, skipping the O rescale when the
-row max does not move, fewer partition barriers (each ``mbarrier.arrive``/``wait`` in a
-4-warp partition comes with a ``bar.sync`` of the warpgroup: 4 per tile), and building the
-descriptors once per shape (each call encodes four ``CUtensorMap`` on the host).
+Next steps (not done here): a dynamic tile scheduler (atomic counter) instead of the static
+snake, ``BLOCK_N`` 176 at d128, skipping the O rescale when the row max does not move, fewer
+partition barriers (each ``mbarrier.arrive``/``wait`` in a 4-warp partition comes with a
+``bar.sync`` of the warpgroup: 4 per tile), and building the descriptors once per shape (each
+call encodes four ``CUtensorMap`` on the host).
 """
 
 from __future__ import annotations
@@ -79,7 +99,6 @@ WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 NUM_CONSUMERS = 2
 BLOCK_M = WG_ROWS * NUM_CONSUMERS  # query rows per program
 _WG = gl.constexpr(WG_ROWS)  # the same numbers, usable inside kernels
-_BM = gl.constexpr(BLOCK_M)
 HEAD_DIMS = (64, 128, 256)
 TORCH_TO_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -92,6 +111,17 @@ class GluonConfig:
     pingpong: bool = False
     consumer_regs: int = 240
     producer_regs: int = 24
+    # Persistent grid (one CTA per SM looping over (query tile, head, batch) work items; the
+    # producer runs ahead into the next item). False: one CTA per work item (the original kernel).
+    persistent: bool = False
+    # Consumer warpgroups of 64 query rows each: 2 (128-row tiles) or 3 (192-row tiles, for d64).
+    num_consumers: int = 2
+    # Persistent only: stage O in its own shared buffer (so the next item's Q can land while this
+    # item's epilogue runs) instead of in Q's buffer. None: when it fits (see ``o_separate``).
+    separate_o: bool | None = None
+    # Persistent only: at most this many programs (None: one per SM). For tests: a small grid
+    # makes every program run many work items.
+    max_programs: int | None = None
 
 
 CONFIGS = {
@@ -99,6 +129,32 @@ CONFIGS = {
     128: GluonConfig(block_n=128, stages=2),
     256: GluonConfig(block_n=64, stages=2),
 }
+
+# Persistent variants per head dim (``GluonConfig.persistent``); d64 also has a 3-warpgroup
+# (192-row) tile with 160 registers per consumer (4 warpgroups share the register file).
+PERSISTENT_CONFIGS = {d: dataclasses.replace(c, persistent=True) for d, c in CONFIGS.items()}
+# The pipelined loop at BLOCK_N 128 needs more than 160 registers (it spills), so this one runs
+# the simple loop; ``block_n=64, stages=3`` with ``pipeline=True`` fits as well.
+D64_3WG = GluonConfig(block_n=128, stages=2, pipeline=False, num_consumers=3, consumer_regs=160, producer_regs=24)
+
+SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
+
+
+def smem_bytes(head_dim: int, config: GluonConfig, separate_o: bool, elem: int = 2) -> int:
+    """Shared memory of the tiles (barriers and compiler scratch not counted)."""
+    q = config.num_consumers * WG_ROWS * head_dim * elem
+    kv = 2 * config.stages * config.block_n * head_dim * elem
+    return q * (2 if separate_o else 1) + kv
+
+
+def o_separate(head_dim: int, config: GluonConfig) -> bool:
+    """Whether the persistent kernel stages O in its own buffer (``config.separate_o``, or when
+    the extra buffer fits with ~4 KB to spare: d64 and d128 yes, d256 no)."""
+    if not config.persistent:
+        return False
+    if config.separate_o is not None:
+        return config.separate_o
+    return smem_bytes(head_dim, config, True) <= SMEM_LIMIT - 4096
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -132,7 +188,7 @@ def _as_matrix(buf):
 
 
 @gluon.jit
-def _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """Key tiles of the query tile starting at ``row0``: ``(n_tiles, unmasked)``.
 
     Tiles ``[0, unmasked)`` need no mask; ``[unmasked, n_tiles)`` do. At least one tile is
@@ -140,7 +196,7 @@ def _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.const
     """
     shift = seqlen_k - seqlen_q  # row i sees keys j <= i + shift
     if CAUSAL:
-        end = gl.minimum(seqlen_k, gl.minimum(row0 + _BM, seqlen_q) + shift)
+        end = gl.minimum(seqlen_k, gl.minimum(row0 + BLOCK_M, seqlen_q) + shift)
         full = gl.minimum(seqlen_k, row0 + 1 + shift)
     else:
         end = seqlen_k
@@ -151,18 +207,54 @@ def _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.const
 
 
 @gluon.jit
-def _program_tile(seqlen_q, num_heads, batch, CAUSAL: gl.constexpr):
-    """``(batch index, head, first query row)`` of this program (see the module docstring)."""
-    pid = gl.program_id(0)
-    num_m_tiles = gl.cdiv(seqlen_q, _BM)
+def _decode_item(t, seqlen_q, num_heads, batch, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """``(batch index, head, first query row)`` of work item ``t`` (see the module docstring):
+    without ``causal`` the query tiles of one head are adjacent; with it the longest tiles of
+    all heads come first."""
+    num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
     num_bh = num_heads * batch
     if CAUSAL:
-        m_tile = num_m_tiles - 1 - pid // num_bh
-        bh = pid % num_bh
+        m_tile = num_m_tiles - 1 - t // num_bh
+        bh = t % num_bh
     else:
-        m_tile = pid % num_m_tiles
-        bh = pid // num_m_tiles
-    return bh // num_heads, bh % num_heads, m_tile * (_BM)
+        m_tile = t % num_m_tiles
+        bh = t // num_m_tiles
+    return bh // num_heads, bh % num_heads, m_tile * BLOCK_M
+
+
+@gluon.jit
+def _program_tile(seqlen_q, num_heads, batch, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Non-persistent grid: the work item of this program."""
+    return _decode_item(gl.program_id(0), seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
+
+
+@gluon.jit
+def _persistent_items(seqlen_q, num_heads, batch, SNAKE: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Persistent grid: how many work items this program runs (see :func:`_persistent_item`)."""
+    pid = gl.program_id(0)
+    num_progs = gl.num_programs(0)
+    total = gl.cdiv(seqlen_q, BLOCK_M) * num_heads * batch
+    full = total // num_progs
+    if SNAKE:
+        slot = pid + (full & 1) * (num_progs - 1 - 2 * pid)
+    else:
+        slot = pid
+    return full + (slot < total % num_progs).to(gl.int32)
+
+
+@gluon.jit
+def _persistent_item(n, SNAKE: gl.constexpr):
+    """Work item of this program's ``n``-th round: round ``n`` covers items ``[n G, n G + G)``
+    (G programs); program ``p`` takes ``n G + p``, or with ``SNAKE`` ``n G + G - 1 - p`` in odd
+    rounds, so that with the longest-first causal order no program gets the longest item of
+    every round. Every item is taken exactly once (checked on CPU for all totals and G < 20)."""
+    pid = gl.program_id(0)
+    num_progs = gl.num_programs(0)
+    if SNAKE:
+        slot = pid + (n & 1) * (num_progs - 1 - 2 * pid)
+    else:
+        slot = pid
+    return n * num_progs + slot
 
 
 # ---- producer ---------------------------------------------------------------------------------
@@ -176,20 +268,11 @@ def _load_tile(desc, coords, bar, dst):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars,
-              seqlen_q, seqlen_k, num_heads, group_size, batch,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """TMA warp: Q halves once, then K/V tiles through the rings (waits on ``empty``)."""
-    q_ready, k_ready, k_empty, v_ready, v_empty = bars
-    b, head, row0 = _program_tile(seqlen_q, num_heads, batch, CAUSAL)
-    kv_head = head // group_size
-    n_tiles, _ = _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [b, row0 + c * _WG, head, 0], q_ready, q_bufs.index(c))
+def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+             b, kv_head, n_tiles, base, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """K/V tiles ``0 .. n_tiles-1`` as ring uses ``base .. base + n_tiles - 1``."""
     for j in range(n_tiles):
-        slot, phase = _ring_slot(j, STAGES)
+        slot, phase = _ring_slot(base + j, STAGES)
         # A fresh mbarrier counts as having completed the phase before phase 0, so the first
         # pass through the ring (parity 1) does not wait.
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
@@ -198,12 +281,48 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars,
         _load_tile(v_desc, [b, j * BLOCK_N, kv_head, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
+              seqlen_q, seqlen_k, num_heads, group_size, batch,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """TMA warp: Q once per work item, then K/V tiles through the rings (waits on ``empty``)."""
+    q_ready, k_ready, k_empty, v_ready, v_empty = bars
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * _WG
+    if PERSISTENT:
+        # One Q buffer per consumer with its own ready/empty pair: consumer c frees its Q buffer
+        # after its last S = Q K^T of item n (or after its O store when O is staged in Q's
+        # buffer); the load of item n + 1 waits for that (parity (n & 1) ^ 1: item 0 passes on
+        # the fresh barrier, item n waits for the consumer's n-th release). Then this item's K/V
+        # stream continues the ring where the previous item left it (``base``), so the next
+        # item's first tiles load while the consumers finish the current one.
+        base = 0
+        for n in range(_persistent_items(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)):
+            t = _persistent_item(n, CAUSAL)
+            b, head, row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
+            n_tiles, _ = _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
+            for c in gl.static_range(NUM_CONSUMERS):
+                mbarrier.wait(q_empty.index(c), (n & 1) ^ 1)
+                _load_tile(q_desc, [b, row0 + c * _WG, head, 0], q_ready.index(c), q_bufs.index(c))
+            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                     b, head // group_size, n_tiles, base, BLOCK_N, STAGES)
+            base += n_tiles
+    else:
+        b, head, row0 = _program_tile(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
+        n_tiles, _ = _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
+        mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [b, row0 + c * _WG, head, 0], q_ready, q_bufs.index(c))
+        _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                 b, head // group_size, n_tiles, 0, BLOCK_N, STAGES)
+
+
 # ---- consumers --------------------------------------------------------------------------------
 
 
 @gluon.jit
 def _issue_qk(q_smem, k_bufs, k_ready, j, STAGES: gl.constexpr, s_layout: gl.constexpr):
-    """Wait for K tile ``j`` and issue ``S = Q K^T`` asynchronously; returns the wgmma token."""
+    """Wait for K ring use ``j`` and issue ``S = Q K^T`` asynchronously; returns the wgmma token."""
     slot, phase = _ring_slot(j, STAGES)
     mbarrier.wait(k_ready.index(slot), phase)
     k_smem = _as_matrix(k_bufs.index(slot))
@@ -215,7 +334,7 @@ def _issue_qk(q_smem, k_bufs, k_ready, j, STAGES: gl.constexpr, s_layout: gl.con
 
 @gluon.jit
 def _issue_pv(p, v_bufs, v_ready, acc, j, STAGES: gl.constexpr):
-    """Wait for V tile ``j`` and issue ``acc += P V`` asynchronously (P from registers)."""
+    """Wait for V ring use ``j`` and issue ``acc += P V`` asynchronously (P from registers)."""
     slot, phase = _ring_slot(j, STAGES)
     mbarrier.wait(v_ready.index(slot), phase)
     return warpgroup_mma(p, _as_matrix(v_bufs.index(slot)), acc, is_async=True)
@@ -229,19 +348,29 @@ def _release(empty, j, STAGES: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, j, unmasked, rows, seqlen_k, shift, qk_scale,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FUSED_MASK: gl.constexpr = False):
     """Online-softmax step on scores ``s [64, BLOCK_N]`` (fp32, unscaled) of key tile ``j``.
 
     ``m_i``, ``l_i`` ``[64]``: running max (scaled, log2 units) and sum. Returns ``(p, m_new,
     l_new, alpha)`` with ``p = exp2(s * qk_scale - m_new)`` and ``alpha = exp2(m_i - m_new)``
-    the factor for the accumulator.
+    the factor for the accumulator. With ``FUSED_MASK`` (the persistent kernel) ``rows`` holds
+    each row's last visible key (``shift`` is 0) and the two masks become one comparison of the
+    tile-local column with a per-row limit (fewer registers in the masked branch).
     """
     s_layout: gl.constexpr = s.type.layout
     if j >= unmasked:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = gl.expand_dims(cols < seqlen_k, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
+        if FUSED_MASK:
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if CAUSAL:
+                limit = gl.minimum(rows, seqlen_k - 1) - j * BLOCK_N
+                visible = gl.expand_dims(cols, 0) <= gl.expand_dims(limit, 1)
+            else:
+                visible = gl.expand_dims(cols < seqlen_k - j * BLOCK_N, 0)
+        else:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = gl.expand_dims(cols < seqlen_k, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
@@ -269,23 +398,32 @@ def _as_a_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
 def _take_turn(turn_bars, me: gl.constexpr, round):
     """Ping-pong: wait until it is consumer ``me``'s turn to issue GEMMs in ``round``.
 
-    Consumer 0 goes first: its round 0 waits on parity 1 of a fresh barrier (passes at once);
-    every later round waits for the other consumer's previous round.
+    Consumers go in order 0, 1, .., NC-1, 0, .. Consumer 0's round r waits for phase r - 1 of
+    its barrier (completed by the last consumer's round r - 1; round 0 waits on parity 1 of a
+    fresh barrier and passes at once); consumer c > 0's round r waits for phase r of its
+    barrier (completed by consumer c - 1's round r). No barrier can run two phases ahead of its
+    waiter: its next phase needs this consumer's own next round first.
     """
-    mbarrier.wait(turn_bars.index(me), (round & 1) ^ (1 - me))
+    if me == 0:
+        mbarrier.wait(turn_bars.index(me), (round & 1) ^ 1)
+    else:
+        mbarrier.wait(turn_bars.index(me), round & 1)
 
 
 @gluon.jit
-def _pass_turn(turn_bars, me: gl.constexpr):
-    mbarrier.arrive(turn_bars.index(1 - me))
+def _pass_turn(turn_bars, me: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    mbarrier.arrive(turn_bars.index((me + 1) % NUM_CONSUMERS))
 
 
 @gluon.jit
-def _loop_simple(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                 n_tiles, unmasked, rows, seqlen_k, shift, qk_scale,
+def _loop_simple(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, q_empty,
+                 n_tiles, unmasked, rows, seqlen_k, shift, qk_scale, base,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    """Key loop without cross-tile overlap: QK^T, wait, softmax, PV, wait. Returns acc, m, l."""
+                 CAUSAL: gl.constexpr, RELEASE_Q: gl.constexpr, FUSED_MASK: gl.constexpr = False):
+    """Key loop without cross-tile overlap: QK^T, wait, softmax, PV, wait. Returns acc, m, l.
+
+    Ring uses are ``base + j``; with ``RELEASE_Q``, ``q_empty`` is arrived on once the last
+    ``S`` is complete (Q is not read after that)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -293,15 +431,17 @@ def _loop_simple(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
     l_i = gl.zeros([_WG], gl.float32, row_layout)
     acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
     for j in range(n_tiles):
-        s = _issue_qk(q_smem, k_bufs, k_ready, j, STAGES, s_layout)
+        s = _issue_qk(q_smem, k_bufs, k_ready, base + j, STAGES, s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
-        _release(k_empty, j, STAGES)
+        _release(k_empty, base + j, STAGES)
+        if RELEASE_Q:
+            mbarrier.arrive(q_empty, pred=j == n_tiles - 1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, unmasked, rows, seqlen_k, shift, qk_scale,
-                                           BLOCK_N, CAUSAL)
+                                           BLOCK_N, CAUSAL, FUSED_MASK)
         acc = _rescale(acc, alpha)
-        acc = _issue_pv(_as_a_operand(p, q_smem.dtype, o_layout), v_bufs, v_ready, acc, j, STAGES)
+        acc = _issue_pv(_as_a_operand(p, q_smem.dtype, o_layout), v_bufs, v_ready, acc, base + j, STAGES)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        _release(v_empty, j, STAGES)
+        _release(v_empty, base + j, STAGES)
     return acc, m_i, l_i
 
 
@@ -311,64 +451,74 @@ def _schedule_fence(done_bar):
 
     ptxas schedules ``wgmma.wait_group`` as early as it may, so without this the whole softmax
     of tile j sinks below the wait for ``P_{j-1} V_{j-1}`` and nothing overlaps (seen in the
-    SASS of every specialization). Waiting on an mbarrier whose phase completed long ago
-    (``q_ready``) costs one non-blocking try-wait, but its retry loop ends the basic block,
-    which ptxas does not schedule across.
+    SASS of every specialization). Waiting on an mbarrier whose phase 0 completed long ago and
+    which never completes another phase (``q_ready`` of the non-persistent kernel; a dedicated
+    barrier, arrived on once at start, in the persistent one, whose Q barriers cycle) costs one
+    non-blocking try-wait, but its retry loop ends the basic block, which ptxas does not
+    schedule across.
     """
     mbarrier.wait(done_bar, 0)
 
 
 @gluon.jit
-def _loop_pipelined(q_smem, q_ready, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars,
-                    n_tiles, unmasked, rows, seqlen_k, shift, qk_scale,
+def _loop_pipelined(q_smem, fence_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, q_empty,
+                    n_tiles, unmasked, rows, seqlen_k, shift, qk_scale, base, round0,
                     ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                    NUM_CONSUMERS: gl.constexpr, RELEASE_Q: gl.constexpr, FUSED_MASK: gl.constexpr = False):
     """Key loop with the softmax of tile j overlapping ``P_{j-1} V_{j-1}`` (see the module
-    docstring). Returns acc, m, l."""
+    docstring). Ring uses are ``base + j``, ping-pong rounds ``round0 + j - 1``; with
+    ``RELEASE_Q``, ``q_empty`` is arrived on once the last ``S`` is complete. Returns acc, m, l."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
 
     # Prologue: tile 0's scores and probabilities; O starts at 0, so no rescale.
-    s = _issue_qk(q_smem, k_bufs, k_ready, 0, STAGES, s_layout)
+    s = _issue_qk(q_smem, k_bufs, k_ready, base, STAGES, s_layout)
     s = warpgroup_mma_wait(0, deps=(s,))
-    _release(k_empty, 0, STAGES)
+    _release(k_empty, base, STAGES)
+    if RELEASE_Q:
+        mbarrier.arrive(q_empty, pred=n_tiles == 1)
     m_i = gl.full([_WG], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([_WG], gl.float32, row_layout)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, unmasked, rows, seqlen_k, shift, qk_scale,
-                                       BLOCK_N, CAUSAL)
+                                       BLOCK_N, CAUSAL, FUSED_MASK)
     p_op = _as_a_operand(p, dtype, o_layout)
     acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
 
     for j in range(1, n_tiles):
         if PINGPONG:
-            _take_turn(turn_bars, ME, j - 1)
-        s = _issue_qk(q_smem, k_bufs, k_ready, j, STAGES, s_layout)
-        acc = _issue_pv(p_op, v_bufs, v_ready, acc, j - 1, STAGES)
+            _take_turn(turn_bars, ME, round0 + j - 1)
+        s = _issue_qk(q_smem, k_bufs, k_ready, base + j, STAGES, s_layout)
+        acc = _issue_pv(p_op, v_bufs, v_ready, acc, base + j - 1, STAGES)
         if PINGPONG:
-            _pass_turn(turn_bars, ME)
+            _pass_turn(turn_bars, ME, NUM_CONSUMERS)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
-        _release(k_empty, j, STAGES)
+        _release(k_empty, base + j, STAGES)
+        if RELEASE_Q:
+            mbarrier.arrive(q_empty, pred=j == n_tiles - 1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, unmasked, rows, seqlen_k, shift, qk_scale,
-                                           BLOCK_N, CAUSAL)
-        _schedule_fence(q_ready)
+                                           BLOCK_N, CAUSAL, FUSED_MASK)
+        _schedule_fence(fence_bar)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        _release(v_empty, j - 1, STAGES)
+        _release(v_empty, base + j - 1, STAGES)
         acc = _rescale(acc, alpha)
         p_op = _as_a_operand(p, dtype, o_layout)
 
-    acc = _issue_pv(p_op, v_bufs, v_ready, acc, n_tiles - 1, STAGES)
+    acc = _issue_pv(p_op, v_bufs, v_ready, acc, base + n_tiles - 1, STAGES)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    _release(v_empty, n_tiles - 1, STAGES)
+    _release(v_empty, base + n_tiles - 1, STAGES)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
-                   b, head, row0, rows, seqlen_q, WRITE_LSE: gl.constexpr):
+                   b, head, row0, rows, seqlen_q, WRITE_LSE: gl.constexpr, WAIT_STORE: gl.constexpr):
     """``O = acc / l`` through shared memory and one TMA store (rows >= seqlen_q are dropped by
-    the descriptor's bounds); LSE (natural log) with a masked store."""
+    the descriptor's bounds); LSE (natural log) with a masked store. With ``WAIT_STORE`` the
+    store has finished reading ``o_buf`` on return; otherwise the caller waits before reusing
+    it."""
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     o_layout: gl.constexpr = acc.type.layout
     inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
@@ -380,38 +530,83 @@ def _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stri
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
         ptrs = Lse + b.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows.to(gl.int64) * stride_ls
         gl.store(ptrs, lse, mask=rows < seqlen_q)
-    tma.store_wait(0)
+    if WAIT_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, bars, turn_bars, o_desc, Lse,
+def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
               stride_lb, stride_lh, stride_ls,
               seqlen_q, seqlen_k, num_heads, batch, qk_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              PIPELINE: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup ``ME``: query rows ``[row0 + 64 ME, row0 + 64 ME + 64)`` of the tile."""
+              PIPELINE: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              PERSISTENT: gl.constexpr, SEPARATE_O: gl.constexpr):
+    """Consumer warpgroup ``ME``: query rows ``[row0 + 64 ME, row0 + 64 ME + 64)`` of each tile."""
     q_ready, k_ready, k_empty, v_ready, v_empty = bars
-    b, head, tile_row0 = _program_tile(seqlen_q, num_heads, batch, CAUSAL)
-    n_tiles, unmasked = _key_tiles(tile_row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-    row0 = tile_row0 + ME * _WG
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * _WG
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    rows = row0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
     shift = seqlen_k - seqlen_q
-
     q_buf = q_bufs.index(ME)
-    mbarrier.wait(q_ready, 0)
-    if PIPELINE:
-        acc, m_i, l_i = _loop_pipelined(_as_matrix(q_buf), q_ready, k_bufs, v_bufs, k_ready, k_empty,
-                                        v_ready, v_empty, turn_bars, n_tiles, unmasked, rows, seqlen_k, shift, qk_scale,
-                                        ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)
+    if PERSISTENT:
+        my_q_ready = q_ready.index(ME)
+        my_q_empty = q_empty.index(ME)
+        o_buf = o_bufs.index(ME)  # Q's own buffer when not SEPARATE_O (the kernel passes q_bufs)
+        base = 0  # ring uses before this item (both rings, all consumers, the producer agree)
+        for n in range(_persistent_items(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)):
+            t = _persistent_item(n, CAUSAL)
+            _, _, tile_row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
+            n_tiles, unmasked = _key_tiles(tile_row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
+            # The loop gets each row's last visible key (shift 0) and nothing else per item that
+            # lives through it: (b, head, rows) are recomputed from t after it (at d128 causal,
+            # keeping them live spills).
+            last_key = tile_row0 + ME * _WG + shift + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
+            mbarrier.wait(my_q_ready, n & 1)  # the n-th load into this Q buffer
+            if PIPELINE:
+                # Ping-pong rounds: n_tiles - 1 per item, so base - n before this one.
+                acc, m_i, l_i = _loop_pipelined(_as_matrix(q_buf), fence_bar, k_bufs, v_bufs, k_ready, k_empty,
+                                                v_ready, v_empty, turn_bars, my_q_empty, n_tiles, unmasked, last_key,
+                                                seqlen_k, 0, qk_scale, base, base - n,
+                                                ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, NUM_CONSUMERS,
+                                                SEPARATE_O, True)
+            else:
+                acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                             my_q_empty, n_tiles, unmasked, last_key, seqlen_k, 0, qk_scale, base,
+                                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SEPARATE_O, True)
+            base += n_tiles
+            b, head, tile_row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
+            row0 = tile_row0 + ME * _WG
+            rows = row0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
+            if SEPARATE_O:
+                # The previous item's O store must have finished reading o_buf (the compiler puts
+                # a warpgroup barrier between this wait and the shared-memory writes below).
+                tma.store_wait(0)
+                _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
+                               b, head, row0, rows, seqlen_q, WRITE_LSE, False)
+            else:
+                # O goes through Q's buffer: free it for the next Q only once the store read it.
+                _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
+                               b, head, row0, rows, seqlen_q, WRITE_LSE, True)
+                mbarrier.arrive(my_q_empty)
+        tma.store_wait(0)
     else:
-        acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                     n_tiles, unmasked, rows, seqlen_k, shift, qk_scale,
-                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
-    # Q is dead once the last S was waited for: its buffer stages this warpgroup's output.
-    _write_results(acc, m_i, l_i, o_desc, q_buf, Lse, stride_lb, stride_lh, stride_ls,
-                   b, head, row0, rows, seqlen_q, WRITE_LSE)
+        b, head, tile_row0 = _program_tile(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
+        n_tiles, unmasked = _key_tiles(tile_row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
+        row0 = tile_row0 + ME * _WG
+        rows = row0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
+        mbarrier.wait(q_ready, 0)
+        if PIPELINE:
+            acc, m_i, l_i = _loop_pipelined(_as_matrix(q_buf), q_ready, k_bufs, v_bufs, k_ready, k_empty,
+                                            v_ready, v_empty, turn_bars, q_empty, n_tiles, unmasked, rows, seqlen_k,
+                                            shift, qk_scale, 0, 0,
+                                            ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, NUM_CONSUMERS, False)
+        else:
+            acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                         q_empty, n_tiles, unmasked, rows, seqlen_k, shift, qk_scale, 0,
+                                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False)
+        # Q is dead once the last S was waited for: its buffer stages this warpgroup's output.
+        _write_results(acc, m_i, l_i, o_desc, q_buf, Lse, stride_lb, stride_lh, stride_ls,
+                       b, head, row0, rows, seqlen_q, WRITE_LSE, True)
 
 
 # ---- kernel -----------------------------------------------------------------------------------
@@ -437,36 +632,75 @@ def _gluon_attention_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PERSISTENT: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, SEPARATE_O: gl.constexpr = False,
 ):
-    """Grid ``(m_tiles * Hq * B,)``, 4 warps (+ 4 consumer + 1 producer warps in the partitions).
+    """Grid ``(m_tiles * Hq * B,)``, or ``(min(#SMs, m_tiles * Hq * B),)`` with ``PERSISTENT``;
+    4 warps (+ 4 per extra consumer + 1 producer warp in the partitions).
 
     Descriptors: q/o ``[B, Sq, Hq, D]`` box ``[1, 64, 1, D]``; k/v ``[B, Sk, Hkv, D]`` box
     ``[1, BLOCK_N, 1, D]``. ``Lse`` fp32 ``[B, Hq, Sq]`` (strides given) when ``WRITE_LSE``.
     """
     gl.static_assert(not PINGPONG or PIPELINE, "PINGPONG needs PIPELINE")
+    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
+    gl.static_assert(not SEPARATE_O or PERSISTENT, "SEPARATE_O is a persistent-kernel option")
     dtype: gl.constexpr = q_desc.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    if SEPARATE_O:
+        o_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    else:
+        o_bufs = q_bufs
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = _alloc_barriers(1, 1).index(0)
+    if PERSISTENT:
+        q_ready = _alloc_barriers(NUM_CONSUMERS, 1)  # one per consumer's Q buffer
+        q_empty = _alloc_barriers(NUM_CONSUMERS, 1)
+        fence_bar = _alloc_barriers(1, 1).index(0)  # completes phase 0 below, then never again
+    else:
+        q_ready = _alloc_barriers(1, 1).index(0)
+        q_empty = q_ready  # unused
+        fence_bar = q_ready
     k_ready = _alloc_barriers(STAGES, 1)
     v_ready = _alloc_barriers(STAGES, 1)
-    k_empty = _alloc_barriers(STAGES, 2)  # both consumers release each stage
-    v_empty = _alloc_barriers(STAGES, 2)
-    turn_bars = _alloc_barriers(2, 1)
+    k_empty = _alloc_barriers(STAGES, NUM_CONSUMERS)  # every consumer releases each stage
+    v_empty = _alloc_barriers(STAGES, NUM_CONSUMERS)
+    turn_bars = _alloc_barriers(NUM_CONSUMERS, 1)
     fence_async_shared()  # barrier inits visible to the async proxy (TMA) before first use
+    if PERSISTENT:
+        mbarrier.arrive(fence_bar)
     bars = (q_ready, k_ready, k_empty, v_ready, v_empty)
 
-    gl.warp_specialize([
-        (_consumer, (q_bufs, k_bufs, v_bufs, bars, turn_bars, o_desc, Lse, stride_lb, stride_lh, stride_ls,
-                     seqlen_q, seqlen_k, num_heads, batch, qk_scale,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG)),
-        (_consumer, (q_bufs, k_bufs, v_bufs, bars, turn_bars, o_desc, Lse, stride_lb, stride_lh, stride_ls,
-                     seqlen_q, seqlen_k, num_heads, batch, qk_scale,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG)),
-        (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars,
-                     seqlen_q, seqlen_k, num_heads, group_size, batch, BLOCK_N, STAGES, CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
+                         stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
+                         0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
+                         PERSISTENT, SEPARATE_O)),
+            (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
+                         stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
+                         1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
+                         PERSISTENT, SEPARATE_O)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
+                         seqlen_q, seqlen_k, num_heads, group_size, batch, BLOCK_N, STAGES, CAUSAL,
+                         NUM_CONSUMERS, PERSISTENT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
+                         stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
+                         0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
+                         PERSISTENT, SEPARATE_O)),
+            (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
+                         stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
+                         1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
+                         PERSISTENT, SEPARATE_O)),
+            (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
+                         stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
+                         2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
+                         PERSISTENT, SEPARATE_O)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
+                         seqlen_q, seqlen_k, num_heads, group_size, batch, BLOCK_N, STAGES, CAUSAL,
+                         NUM_CONSUMERS, PERSISTENT)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -517,20 +751,43 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     lse_arg = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-    grid = (triton.cdiv(seqlen_q, BLOCK_M) * num_heads * batch,)
+    items = triton.cdiv(seqlen_q, WG_ROWS * config.num_consumers) * num_heads * batch
+    programs = min(items, config.max_programs or num_sms(q.device))
+    grid = (programs if config.persistent else items,)
     args = (make_descriptor(q, WG_ROWS), make_descriptor(k, config.block_n), make_descriptor(v, config.block_n),
             make_descriptor(out, WG_ROWS), lse_arg, *lse_strides,
             seqlen_q, seqlen_k, num_heads, num_heads // num_kv_heads, batch, softmax_scale * LOG2E)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, CAUSAL=causal,
                   WRITE_LSE=lse is not None, PIPELINE=config.pipeline, PINGPONG=config.pingpong,
-                  CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs)
+                  CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
+                  PERSISTENT=config.persistent, NUM_CONSUMERS=config.num_consumers,
+                  SEPARATE_O=o_separate(head_dim, config))
     return grid, args, kwargs
+
+
+_NUM_SMS: dict = {}
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H200 when there is no GPU: compile only)."""
+    if not isinstance(device, torch.device) or device.type != "cuda" or not torch.cuda.is_available():
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
 
 
 # Registers: 3 warpgroups share 64K, so the launch limit is 168 per thread (65536 / 384, rounded
 # down to a multiple of 8); the partitions then move them with setmaxnreg (240 + 240 + 24 = 504
-# = 3 x 168).
+# = 3 x 168). With 3 consumers, 4 warpgroups: 128 per thread at launch, 160 + 160 + 160 + 24
+# (<= 4 x 128) after setmaxnreg.
 MAXNREG = 168
+
+
+def maxnreg_for(config: GluonConfig) -> int:
+    """Launch register limit: 64K registers over (consumers + 1) warpgroups, multiple of 8."""
+    return (65536 // (128 * (config.num_consumers + 1))) // 8 * 8
 
 
 def gluon_attention_forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
@@ -543,7 +800,8 @@ def gluon_attention_forward(q, k, v, out, lse, *, causal: bool, softmax_scale: f
         out: like q (written); lse: fp32 ``[B, Hq, Sq]`` or None.
         causal: bottom-right aligned mask (query i sees keys j <= i + Sk - Sq).
         softmax_scale: scale of ``q k^T``.
-        config: tile shape and overlap switches (default: ``CONFIGS[D]``).
+        config: tile shape and overlap switches (default: ``CONFIGS[D]``; ``PERSISTENT_CONFIGS[D]``
+            and ``D64_3WG`` are the persistent and 3-warpgroup variants).
     """
     if not supported(q, k, v) or out.shape != q.shape or out.dtype != q.dtype or not _tma_ok(out):
         raise ValueError("inputs not supported by the Gluon prefill kernel (see prefill_gluon.supported)")
@@ -554,4 +812,4 @@ def gluon_attention_forward(q, k, v, out, lse, *, causal: bool, softmax_scale: f
     config = config or CONFIGS[q.shape[-1]]
     grid, args, kwargs = launch_args(q, k, v, out, lse, causal, softmax_scale, config)
     with torch.cuda.device(q.device):
-        _gluon_attention_kernel[grid](*args, **kwargs, num_warps=4, maxnreg=MAXNREG)
+        _gluon_attention_kernel[grid](*args, **kwargs, num_warps=4, maxnreg=maxnreg_for(config))
