@@ -23,6 +23,11 @@ variants) and ``_attention_variant_kernel`` (variants and packed sequences).
 
 Packed sequences (``varlen_forward``): grid ``(tile bound, Hq, 1)`` over a flat list of the
 sequences' query tiles; each program finds its sequence from ``cu_seqlens_q`` on the device.
+
+On Hopper, :func:`attention_forward` hands plain calls at head dim 64/128/256 (bf16/fp16) to the
+Gluon kernel of ``prefill_gluon.py`` (warp-specialized, FlashAttention-3 style), configured per
+shape class by :func:`gluon_config`; ``backend="triton"`` or ``FLASHKERNEL_GLUON=0`` keeps them
+here.
 """
 
 from __future__ import annotations
