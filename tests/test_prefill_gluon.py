@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashkernel
-from flashkernel.kernels import prefill
+from flashkernel.kernels import prefill, tuning
 from helpers import DEVICE, DTYPES, ON_GPU, assert_output_close, random_qkv
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -33,14 +33,23 @@ def test_module_imports_and_configs_exist():
     assert set(prefill.GLUON_HEAD_DIMS) <= set(gluon.CONFIGS)
 
 
-def test_config_per_call():
-    long = prefill.gluon_config(128, causal=False, seqlen_k=16384)
+def _h100_config(head_dim, causal, seqlen_k):
+    """What an sm_90 GPU without its own table entry (an H100) gets from the shipped table."""
+    rule = tuning.gluon_rule("NVIDIA H100 80GB HBM3", "sm_90", head_dim, causal, seqlen_k)
+    return prefill.gluon_config_from(rule, head_dim)
+
+
+def test_config_per_call_from_the_table():
+    long = _h100_config(128, causal=False, seqlen_k=16384)
     assert long.pipeline and long.pingpong and not long.persistent
-    short = prefill.gluon_config(256, causal=True, seqlen_k=4096)
+    short = _h100_config(256, causal=True, seqlen_k=4096)
     assert short.pipeline and short.persistent and not short.pingpong
-    assert prefill.gluon_config(64, causal=False, seqlen_k=1024).num_consumers == 3
-    short_causal_d64 = prefill.gluon_config(64, causal=True, seqlen_k=1024)
+    assert _h100_config(64, causal=False, seqlen_k=1024).num_consumers == 3
+    short_causal_d64 = _h100_config(64, causal=True, seqlen_k=1024)
     assert short_causal_d64.num_consumers == 2 and short_causal_d64.persistent and short_causal_d64.pingpong
+    # A GPU the table does not know runs the kernel's default configuration.
+    assert prefill.gluon_config_from(tuning.gluon_rule("X", "sm_120", 128, False, 1024), 128) == \
+        prefill._gluon_module().CONFIGS[128]
 
 
 def test_interpreter_and_unsupported_calls_use_triton():

@@ -43,53 +43,35 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from ._common import dot_flags, is_interpreted, padded_head_dim
+from . import tuning
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
+from .tuning import TileConfig
 
 LOG2E = math.log2(math.e)
 MAX_GRID_YZ = 65535
 MAX_VARLEN_SEQS = 1024  # sequences per varlen launch: the tile schedule's prefix sum is a vector
 
 
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    warp_specialize: bool = False  # Triton's automatic warp specialization of the key loop
-
-
-# Tuned on an H200 (bf16; benchmarks/prefill.py --sweep-configs --tma 1 0), keyed by the padded
-# head dim, one table per way of loading tiles. See docs/perf-notes.md for the sweeps.
-POINTER_TABLE = {
-    16: TileConfig(128, 64, 8, 3),
-    32: TileConfig(128, 64, 8, 3),
-    64: TileConfig(128, 64, 8, 3),
-    128: TileConfig(128, 128, 8, 3),
-    256: TileConfig(128, 64, 8, 2),
-}
-TMA_TABLE = {
-    16: TileConfig(128, 64, 4, 3),
-    32: TileConfig(128, 64, 4, 3),
-    64: TileConfig(128, 64, 4, 3),
-    128: TileConfig(128, 128, 8, 3),
-    256: TileConfig(128, 64, 8, 2),
-}
+# Tile configs per GPU are data: kernels/tuned/prefill.json, read by kernels/tuning.py (with a
+# heuristic for GPUs it does not list, and opt-in autotuning). Swept on an H200:
+# benchmarks/prefill.py --sweep-configs --tma 1 0, docs/perf-notes.md.
 # Below this many keys the per-program descriptor setup costs more than TMA saves (1k: -6%,
 # 16k: +8% at head dim 128 on the H200).
 TMA_MIN_SEQLEN_K = 4096
 INTERPRETER_CONFIG = TileConfig(32, 32, 4, 1)
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, tma: bool) -> TileConfig:
-    """Tile shape and launch parameters for one call (no autotuning on the hot path)."""
+def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, tma: bool,
+                device: torch.device | None = None) -> TileConfig:
+    """Tile shape and launch parameters for one call: the device's table entry (no autotuning on
+    the hot path; see ``kernels/tuning.py``). ``device`` defaults to the current CUDA device."""
     if interpreted:
         return INTERPRETER_CONFIG
     block_d = padded_head_dim(head_dim)
     if dtype == torch.float32:
         # fp32 tiles are twice as large in shared memory and use exact fp32 products.
         return TileConfig(64, 32, 4, 2 if block_d <= 128 else 1)
-    return (TMA_TABLE if tma else POINTER_TABLE)[block_d]
+    return tuning.triton_tile_config(device or torch.device("cuda"), block_d, tma)
 
 
 @triton.jit
@@ -484,7 +466,6 @@ def use_tma(q, k, v, out, interpreted: bool, seqlen_k: int | None = None) -> boo
 # docs/perf-notes.md "Gluon").
 GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
-GLUON_LONG_KEYS = 4096  # above: one program per query tile; at or below: a persistent grid
 
 
 @functools.lru_cache(maxsize=None)
@@ -497,26 +478,29 @@ def _gluon_module():
     return prefill_gluon
 
 
-def gluon_config(head_dim: int, causal: bool, seqlen_k: int):
-    """The Gluon kernel's configuration for one call, the measured best per shape class (H200,
-    ``benchmarks/tools/gluon_check.py``, docs/perf-notes.md):
+def gluon_config(head_dim: int, causal: bool, seqlen_k: int, device: torch.device | None = None):
+    """The Gluon kernel's configuration for one call: the first matching rule of the device's
+    table (``kernels/tuned/prefill.json``; the kernel's default config when none matches)."""
+    name, arch, _ = tuning.device_facts(device or torch.device("cuda"))
+    return gluon_config_from(tuning.gluon_rule(name, arch, head_dim, causal, seqlen_k), head_dim)
 
-    * d128/d256 with more than ``GLUON_LONG_KEYS`` keys: one program per query tile, the two
-      consumer warpgroups taking turns on the tensor cores (ping-pong);
-    * d128/d256 up to ``GLUON_LONG_KEYS`` keys: a persistent grid (the next tile's Q and K/V load
-      during this tile's last products and output store), each warpgroup overlapping its
-      softmax with its previous PV product;
-    * d64: three consumer warpgroups (192-row tiles) on a persistent grid, except causal below
-      ``GLUON_LONG_KEYS`` keys, where the 2-warpgroup persistent ping-pong loop balances better.
+
+def gluon_config_from(rule: dict | None, head_dim: int):
+    """A ``prefill_gluon.GluonConfig`` from a table rule: its ``base`` configuration ("default",
+    "persistent" or "d64_3wg") with the rule's other fields replaced.
+
+    On the H200 (docs/perf-notes.md, "Prefill in Gluon"): d128/d256 above 4096 keys run one
+    program per query tile with the two consumer warpgroups taking turns on the tensor cores;
+    up to 4096 keys a persistent grid (the next tile's loads overlap this tile's end); d64 runs
+    three consumer warpgroups on a persistent grid, except causal below 4096 keys.
     """
     gluon = _gluon_module()
-    if head_dim == 64:
-        if causal and seqlen_k < GLUON_LONG_KEYS:
-            return dataclasses.replace(gluon.PERSISTENT_CONFIGS[64], pingpong=True)
-        return dataclasses.replace(gluon.D64_3WG, persistent=True)
-    if seqlen_k <= GLUON_LONG_KEYS:
-        return gluon.PERSISTENT_CONFIGS[head_dim]
-    return dataclasses.replace(gluon.CONFIGS[head_dim], pingpong=True)
+    if rule is None:
+        return gluon.CONFIGS[head_dim]
+    bases = {"default": gluon.CONFIGS[head_dim], "persistent": gluon.PERSISTENT_CONFIGS[head_dim],
+             "d64_3wg": gluon.D64_3WG}
+    fields = {key: value for key, value in rule.items() if key not in ("causal", "max_seqlen_k", "base")}
+    return dataclasses.replace(bases[rule.get("base", "default")], **fields)
 
 
 def use_gluon(q, k, v, out, interpreted: bool) -> bool:
@@ -530,12 +514,28 @@ def use_gluon(q, k, v, out, interpreted: bool) -> bool:
     return gluon is not None and gluon.supported(q, k, v) and tma_compatible(out)
 
 
-def _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k):
+def _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k, autotune_launch=None, causal=False):
+    """``(tma, config)`` of a Triton launch. ``autotune_launch(config, tma=...)``, when given,
+    runs this call with a config: with ``FLASHKERNEL_AUTOTUNE=1`` the first call of its class is timed
+    over the candidates (``kernels/tuning.py``)."""
     tma = use_tma(q, k, v, out, interpreted, seqlen_k) if force_tma is None else force_tma
     tma = tma and tma_compatible(q, k, v, out)
     if config is None:
-        config = pick_config(q.shape[-1], q.dtype, interpreted, tma)
+        config = pick_config(q.shape[-1], q.dtype, interpreted, tma, q.device)
+        if not interpreted and q.dtype != torch.float32 and autotune_launch is not None:
+            launch = functools.partial(autotune_launch, tma=tma)
+            config = _autotuned_config(q, tma, causal, launch) or config
     return tma, config
+
+
+def _autotuned_config(q, tma, causal, launch) -> TileConfig | None:
+    block_d = padded_head_dim(q.shape[-1])
+    key = (q.device.index if q.device.index is not None else torch.cuda.current_device(), block_d,
+           q.dtype, tma, causal)
+    found = tuning.autotuned(key)
+    if found is None and tuning.autotune_enabled():
+        found = tuning.autotune(key, launch, block_d, tuning.device_facts(q.device)[2], q.element_size())
+    return found
 
 
 @_with_tma_scratch
@@ -579,9 +579,21 @@ def attention_forward(
                              "ALiBi or sinks)")
         _gluon_module().gluon_attention_forward(q, k, v, out, lse, causal=variant.causal,
                                                 softmax_scale=softmax_scale,
-                                                config=gluon_config(head_dim, variant.causal, seqlen_k))
+                                                config=gluon_config(head_dim, variant.causal, seqlen_k, q.device))
         return None
-    tma, config = _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k)
+
+    def launch(config: TileConfig, tma: bool):
+        return _launch_dense(q, k, v, out, lse, variant, alibi_slopes, softmax_scale, config, tma, interpreted)
+
+    tma, config = _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k,
+                           autotune_launch=launch if variant.is_plain else None, causal=variant.causal)
+    return launch(config, tma)
+
+
+def _launch_dense(q, k, v, out, lse, variant, alibi_slopes, softmax_scale, config, tma, interpreted):
+    """The Triton launches of :func:`attention_forward` (batch chunks of at most 65535)."""
+    batch, seqlen_q, num_q_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     lse_arg = lse if lse is not None else out  # unused pointer when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     # Grid axes 1 and 2 are limited to 65535: launch large batches in chunks.

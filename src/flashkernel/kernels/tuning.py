@@ -1,0 +1,181 @@
+"""Prefill launch parameters: tuned tables shipped as data, a heuristic fallback, opt-in autotuning.
+
+The tables live in ``tuned/prefill.json`` (its ``about`` field documents the format). A GPU
+is looked up by its device name, then by compute capability (``sm_90``: the H200 it was tuned
+on and the H100), so a first call never waits on a search. A GPU with no entry gets
+:func:`heuristic_tile_config`: the tuned shape family, cut down until it fits the device's
+shared memory.
+
+``FLASHKERNEL_TUNING_FILE=path.json`` merges a file of the same format over the shipped one
+(per GPU key and section), e.g. one written by :func:`save_autotuned`.
+
+Autotuning is opt-in: with ``FLASHKERNEL_AUTOTUNE=1``, the first Triton-kernel prefill call of
+each (device, head dim, dtype, load path, causal) class times :data:`CANDIDATES` on the call's
+own tensors (``triton.testing.do_bench`` medians) and keeps the fastest for the rest of the
+process. The Gluon kernel's rules are not autotuned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+TABLE_FILE = Path(__file__).with_name("tuned") / "prefill.json"
+USER_FILE_ENV = "FLASHKERNEL_TUNING_FILE"
+AUTOTUNE_ENV = "FLASHKERNEL_AUTOTUNE"
+SHARED_RESERVE = 2048  # bytes of shared memory beyond the tiles (mbarriers, compiler scratch)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool = False  # Triton's automatic warp specialization of the key loop
+
+
+# Autotuning candidates and the heuristic's preference order, per padded head dim (largest first).
+CANDIDATES = {
+    16: [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3),
+         TileConfig(64, 32, 4, 2)],
+    32: [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3),
+         TileConfig(64, 32, 4, 2)],
+    64: [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3),
+         TileConfig(64, 32, 4, 2)],
+    128: [TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3),
+          TileConfig(64, 32, 4, 2)],
+    256: [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2),
+          TileConfig(32, 32, 4, 1)],
+}
+
+
+def shared_bytes(config: TileConfig, block_d: int, element_size: int = 2) -> int:
+    """Shared memory of a Triton prefill tile config: Q, plus K and V per pipeline stage."""
+    return (config.block_m + 2 * config.num_stages * config.block_n) * block_d * element_size
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def load_tables() -> dict:
+    """The shipped table, with ``$FLASHKERNEL_TUNING_FILE`` merged over it (cached)."""
+    tables = json.loads(TABLE_FILE.read_text())
+    user = os.environ.get(USER_FILE_ENV)
+    if user:
+        extra = json.loads(Path(user).read_text())
+        for gpu, sections in extra.get("gpus", {}).items():
+            tables["gpus"].setdefault(gpu, {}).update(sections)
+    return tables
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[str, str, int]:
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return props.name, f"sm_{props.major}{props.minor}", smem
+
+
+def device_facts(device: torch.device) -> tuple[str, str, int]:
+    """``(name, "sm_XY", opt-in shared memory per block)`` of a CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_facts(index)
+
+
+def gpu_entry(name: str, arch: str) -> dict | None:
+    """The table entry for a GPU: by exact device name, else by compute capability."""
+    gpus = load_tables()["gpus"]
+    return gpus.get(name) or gpus.get(arch)
+
+
+def heuristic_tile_config(block_d: int, shared_limit: int, element_size: int = 2) -> TileConfig:
+    """For GPUs without a table entry: the first candidate (tuned shapes first) whose tiles fit
+    ``shared_limit`` bytes of shared memory, with 2 KB to spare (barriers, compiler scratch)."""
+    for config in CANDIDATES[block_d]:
+        if shared_bytes(config, block_d, element_size) + SHARED_RESERVE <= shared_limit:
+            return config
+    return CANDIDATES[block_d][-1]
+
+
+def triton_tile_config(device: torch.device, block_d: int, tma: bool) -> TileConfig:
+    """The table's Triton prefill config for this device (heuristic when it has no entry)."""
+    name, arch, smem = device_facts(device)
+    entry = gpu_entry(name, arch) or {}
+    section = entry.get("triton_tma" if tma else "triton_pointer", {})
+    if str(block_d) in section:
+        return TileConfig(*section[str(block_d)])
+    return heuristic_tile_config(block_d, smem)
+
+
+def gluon_rule(name: str, arch: str, head_dim: int, causal: bool, seqlen_k: int) -> dict | None:
+    """The first Gluon rule of a GPU's table (by device name, else ``sm_XY``) matching the call."""
+    rules = ((gpu_entry(name, arch) or {}).get("gluon") or {}).get(str(head_dim), [])
+    for rule in rules:
+        if "causal" in rule and rule["causal"] != causal:
+            continue
+        if "max_seqlen_k" in rule and seqlen_k > rule["max_seqlen_k"]:
+            continue
+        return rule
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Opt-in autotuning
+# --------------------------------------------------------------------------------------------
+
+_AUTOTUNED: dict[tuple, TileConfig] = {}
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "0") == "1"
+
+
+def autotuned(key: tuple) -> TileConfig | None:
+    return _AUTOTUNED.get(key)
+
+
+def autotune(key: tuple, launch, block_d: int, shared_limit: int, element_size: int) -> TileConfig:
+    """Time ``launch(config)`` for every candidate that fits; keep and return the fastest.
+
+    ``key`` identifies the call class (device, padded head dim, dtype, load path, causal).
+    Candidates that fail to compile or launch are skipped.
+    """
+    import triton
+
+    best, best_ms = None, float("inf")
+    for config in CANDIDATES[block_d]:
+        if shared_bytes(config, block_d, element_size) > shared_limit:
+            continue
+        try:
+            ms = triton.testing.do_bench(lambda c=config: launch(c), warmup=10, rep=40, return_mode="median")
+        except Exception:  # noqa: BLE001 - out of resources, compile errors: not a candidate here
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    if best is None:
+        raise RuntimeError(f"autotuning found no launchable prefill config for head dim {block_d}")
+    _AUTOTUNED[key] = best
+    return best
+
+
+def save_autotuned(path: str | Path) -> None:
+    """Write the configs autotuned in this process as a ``FLASHKERNEL_TUNING_FILE`` (keyed by
+    device name; per head dim and load path, the last tuned class wins)."""
+    gpus: dict = {}
+    for (index, block_d, _dtype, tma, _causal), config in _AUTOTUNED.items():
+        name = _device_facts(index)[0]
+        section = gpus.setdefault(name, {}).setdefault("triton_tma" if tma else "triton_pointer", {})
+        section[str(block_d)] = [config.block_m, config.block_n, config.num_warps, config.num_stages]
+    Path(path).write_text(json.dumps({"gpus": gpus}, indent=2) + "\n")
+
+
+def clear_autotuned() -> None:
+    _AUTOTUNED.clear()
