@@ -110,15 +110,23 @@ def gpu_section(rows):
                                 if k != "section"), flush=True)
 
 
-def split_section(rows):
+SPLIT_CASES = {  # --split-cases: (batch, context, layout, split counts)
+    "short": [(1, 1024, "contiguous", (1, 2, 4, 8, 16)), (1, 1024, "paged16", (1, 2, 4, 8, 16)),
+              (8, 1024, "contiguous", (1, 2, 4)), (8, 1024, "paged16", (1, 2, 4)),
+              (64, 1024, "contiguous", (1, 2, 4)), (64, 1024, "paged16", (1, 2, 4))],
+    "paged4k": [(1, 4096, "contiguous", (8, 16, 32, 64)), (1, 4096, "paged16", (8, 16, 32, 64)),
+                (1, 4096, "paged256", (8, 16, 32, 64)), (8, 4096, "paged16", (2, 4, 8))],
+}
+
+
+def split_section(rows, cases="short"):
     configs = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 4), (128, 4, 2), (64, 8, 3)]
-    for batch, layout in ((1, "contiguous"), (1, "paged16"), (8, "contiguous"), (8, "paged16"),
-                          (64, "contiguous"), (64, "paged16")):
-        p = Problem(batch, 1024, torch.bfloat16)
+    for batch, context, layout, split_counts in SPLIT_CASES[cases]:
+        p = Problem(batch, context, torch.bfloat16)
         k_cache, v_cache, block_table = p.layout(layout)
         results = []
         for cand in configs:
-            for splits in ((1, 2, 4, 8, 16) if batch == 1 else (1, 2, 4)):
+            for splits in split_counts:
                 config = decode.DecodeConfig(*cand)
                 out = torch.empty_like(p.q)
 
@@ -138,8 +146,8 @@ def split_section(rows):
                     results.append({"config": cand, "splits": splits, "error": str(exc)[:200]})
         ok = [r for r in results if "graph_us" in r]
         best = min(ok, key=lambda r: r["graph_us"])
-        rows.append({"section": "splits", "batch": batch, "context": 1024, "layout": layout, "results": results})
-        print(f"splits B={batch} 1k {layout}: " + " ".join(
+        rows.append({"section": "splits", "batch": batch, "context": context, "layout": layout, "results": results})
+        print(f"splits B={batch} ctx={context} {layout}: " + " ".join(
             f"{r['config']}/{r['splits']}={r.get('graph_us', float('nan')):.1f}" for r in results), flush=True)
         print(f"  best {best['config']} splits={best['splits']} {best['graph_us']:.1f} us", flush=True)
 
@@ -227,11 +235,15 @@ def rules_section(rows):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["host", "gpu", "splits", "host-profile", "rules"])
+    parser.add_argument("--split-cases", default="short", choices=list(SPLIT_CASES))
     parser.add_argument("--out")
     args = parser.parse_args()
     rows = []
     for name in args.sections:
-        {"host": host_section, "gpu": gpu_section, "splits": split_section, "host-profile": host_profile_section,
+        if name == "splits":
+            split_section(rows, args.split_cases)
+            continue
+        {"host": host_section, "gpu": gpu_section, "host-profile": host_profile_section,
          "rules": rules_section}[name](rows)
     if args.out:
         with open(args.out, "w") as f:
