@@ -27,5 +27,8 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'flashkernel' has no attribute {name!r}")
     module_name = _LAZY[name]
     if module_name is None:
-        return importlib.import_module(f".{name}", __name__)
-    return getattr(importlib.import_module(f".{module_name}", __name__), name)
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value  # later lookups skip this hook (it cost ~2 us per decode call)
+    return value
