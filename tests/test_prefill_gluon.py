@@ -20,11 +20,16 @@ MODES = {
     "persistent_pingpong": ((64, 128, 256), dict(pipeline=True, pingpong=True, persistent=True)),
     # A grid of 7 programs: each runs many work items, so the hand-over between items is tested.
     "persistent_7": ((64, 128, 256), dict(pipeline=True, persistent=True, max_programs=7)),
+    # Each warpgroup visits only the key tiles its own rows see (causal): full, pipelined, ping-pong.
+    "persistent_wg_7": ((64, 128, 256), dict(pipeline=True, persistent=True, wg_tiles=True, max_programs=7)),
+    "pingpong_wg": ((64, 128, 256), dict(pipeline=True, pingpong=True, wg_tiles=True)),
+    "simple_wg": ((64, 128, 256), dict(pipeline=False, wg_tiles=True)),
     "d64_3wg": ((64,), dict(num_consumers=3)),
+    "d64_3wg_persistent_wg": ((64,), dict(num_consumers=3, persistent=True, wg_tiles=True)),
     "d64_3wg_persistent_7": ((64,), dict(num_consumers=3, persistent=True, max_programs=7)),
 }
 LENGTHS = [(1, 1), (63, 63), (200, 200), (1000, 1000), (1, 1000), (200, 1000), (1000, 200), (63, 1),
-           (129, 4100)]
+           (129, 4100), (300, 364)]
 
 
 def test_module_imports_and_configs_exist():
@@ -46,6 +51,8 @@ def test_config_per_call_from_the_table():
     assert short.pipeline and short.persistent and not short.pingpong
     assert _h100_config(64, causal=False, seqlen_k=1024).num_consumers == 3
     short_causal_d64 = _h100_config(64, causal=True, seqlen_k=1024)
+    assert _h100_config(64, causal=True, seqlen_k=2048).num_consumers == 3
+    assert _h100_config(256, causal=True, seqlen_k=2048).wg_tiles
     assert short_causal_d64.num_consumers == 2 and short_causal_d64.persistent and short_causal_d64.pingpong
     # A GPU the table does not know runs the kernel's default configuration.
     assert prefill.gluon_config_from(tuning.gluon_rule("X", "sm_120", 128, False, 1024), 128) == \

@@ -56,7 +56,7 @@ def test_heuristic_on_a_hopper_sized_gpu_is_the_tuned_shape():
 
 
 def test_gluon_rules_match_in_order():
-    rule = tuning.gluon_rule("X", "sm_90", 64, causal=True, seqlen_k=1024)
+    rule = tuning.gluon_rule("X", "sm_90", 64, causal=True, seqlen_k=1024)  # <= 1024 keys
     assert rule["base"] == "persistent" and rule["pingpong"]
     assert tuning.gluon_rule("X", "sm_90", 64, causal=True, seqlen_k=8192)["base"] == "d64_3wg"
     assert tuning.gluon_rule("X", "sm_90", 128, causal=False, seqlen_k=4096)["base"] == "persistent"

@@ -14,7 +14,10 @@ hang costs one stage, not the run; the whole run stays under ``--budget`` second
    cores), ``persistent``/``persistent_pingpong``/``persistent_simple`` (the same loops on a
    persistent grid, one program per SM looping over work items) and, at d64 only, ``d64_3wg``
    (3 consumer warpgroups, 192-row tiles, simple loop), ``d64_3wg_persistent`` and
-   ``d64_3wg_n64_persistent`` (pipelined, BLOCK_N 64). The first variant runs bf16 and fp16,
+   ``d64_3wg_n64_persistent`` (pipelined, BLOCK_N 64); the ``*_wg`` variants add per-warpgroup
+   key ranges for causal (``GluonConfig.wg_tiles``: ``persistent_wg``, ``persistent_pingpong_wg``,
+   ``pipeline_wg`` (non-persistent), ``persistent_n64_wg`` (BLOCK_N 64, d64/d128) and
+   ``d64_3wg_persistent_wg``). The first variant runs bf16 and fp16,
    the others bf16 (``--all-dtypes`` for both). B = 2, Hq = 4, Hkv = 2, d 64/128/256, causal and
    not, ``CORRECTNESS_LENGTHS``; persistent variants run each case twice, with their natural
    grid and with ``PERSISTENT_TEST_GRID`` (7) programs so that every program runs many work
@@ -33,6 +36,15 @@ hang costs one stage, not the run; the whole run stays under ``--budget`` second
    abs difference from cuDNN's. The Gluon calls also write the LSE (as in stage 1, so the
    compiled kernels are reused). A Gluon variant that hangs here is dropped and the remaining
    cases rerun without it. Ends with the best Gluon variant of each shape and its ratio to cuDNN.
+
+Selection: ``--variants``, ``--head-dims``, ``--causal-only`` (both stages) and ``--seqlens``
+(bench) pick what runs; ``--no-flashkernel`` drops ``flash_attn_func`` from the bench. A short
+focused job on the short causal shapes (~2-3 min)::
+
+    PYTHONPATH=src python benchmarks/tools/gluon_check.py --out $OUT/gluon-causal.json \
+        --seqlens 512 1024 2048 4096 --causal-only --no-flashkernel --dtypes bfloat16 \
+        --budget 175 --bench-reserve 70 --variants persistent persistent_pingpong d64_3wg_persistent \
+        persistent_wg persistent_pingpong_wg persistent_n64_wg d64_3wg_persistent_wg
 
 Each child writes a ``start`` line before every launch, so a case that hung is named in the JSON.
 ``--compile-only`` compiles every specialization for sm_90a with the bundled ptxas and reports
@@ -69,14 +81,28 @@ VARIANTS = {
     "d64_3wg": dict(pipeline=False, pingpong=False),
     "d64_3wg_persistent": dict(pipeline=False, pingpong=False, persistent=True),
     "d64_3wg_n64_persistent": dict(block_n=64, stages=3, pipeline=True, pingpong=False, persistent=True),
+    # Per-warpgroup key ranges for causal (GluonConfig.wg_tiles; non-causal runs the code above):
+    # each warpgroup runs only the key tiles its 64 rows see, at BLOCK_N 128 its last tile as 64
+    # keys when that is all it sees (warpgroup 0 on the diagonal).
+    "persistent_wg": dict(pipeline=True, pingpong=False, persistent=True, wg_tiles=True),
+    "persistent_pingpong_wg": dict(pipeline=True, pingpong=True, persistent=True, wg_tiles=True),
+    "pipeline_wg": dict(pipeline=True, pingpong=False, wg_tiles=True),
+    # BLOCK_N 64 (d64/d128; d256 is BLOCK_N 64 already): per-warpgroup tile counts at 64 keys.
+    "persistent_n64_wg": dict(block_n=64, stages=4, pipeline=True, pingpong=False, persistent=True, wg_tiles=True),
+    "d64_3wg_persistent_wg": dict(pipeline=False, pingpong=False, persistent=True, wg_tiles=True),
 }
 # Variants that exist only for some head dims (the others run at every head dim).
 VARIANT_HEAD_DIMS = {v: (64,) for v in VARIANTS if v.startswith("d64_")}
+VARIANT_HEAD_DIMS["persistent_n64_wg"] = (64, 128)
 HEAD_DIMS = (64, 128, 256)
 # (seqlen_q, seqlen_k) of the correctness cases, with B = 2, Hq = 4, Hkv = 2.
-CORRECTNESS_LENGTHS = ((1, 1), (63, 63), (200, 200), (1000, 1000), (1, 1000), (200, 1000), (1000, 200), (63, 1))
+CORRECTNESS_LENGTHS = ((1, 1), (63, 63), (200, 200), (1000, 1000), (1, 1000), (200, 1000), (1000, 200), (63, 1),
+                       (300, 364))  # 300/364: warpgroup 1 of tile 0 sees 192 keys (a halved tile with Sq != Sk)
 PERSISTENT_TEST_GRID = 7  # programs of the capped persistent grid in the correctness stage
 BENCH_SEQLENS = (16384, 4096, 1024)  # headline first
+# What the GPU stages run, set from the command line (``--head-dims``, ``--causal-only``,
+# ``--seqlens``, ``--no-flashkernel``) in the parent and forwarded to the children.
+SELECT = dict(head_dims=HEAD_DIMS, causal=(False, True), seqlens=BENCH_SEQLENS, flashkernel=True)
 TOKENS_PER_BATCH = 16384
 MODEL_DIM = 2048
 
@@ -192,7 +218,7 @@ def run_compile_only(args) -> int:
     results, ok = [], True
     for dtype_name in args.dtypes:
         for head_dim in args.head_dims:
-            for causal in (False, True):
+            for causal in SELECT["causal"]:
                 for variant in args.variants:
                     if not variant_runs(variant, head_dim):
                         continue
@@ -312,10 +338,10 @@ def correctness_cases(variant: str, dtypes) -> list:
     across items, odd and even item counts, the snake order of causal)."""
     cases = []
     for dtype_name in dtypes:
-        for head_dim in HEAD_DIMS:
+        for head_dim in SELECT["head_dims"]:
             if not variant_runs(variant, head_dim):
                 continue
-            for causal in (False, True):
+            for causal in SELECT["causal"]:
                 for seqlen_q, seqlen_k in CORRECTNESS_LENGTHS:
                     grids = (None, PERSISTENT_TEST_GRID) if VARIANTS[variant].get("persistent") else (None,)
                     cases += [(dtype_name, head_dim, causal, seqlen_q, seqlen_k, g) for g in grids]
@@ -394,7 +420,8 @@ def bench_case(variants, head_dim, seqlen, causal, batch, heads, case, progress,
     for variant in variants:
         if variant_runs(variant, head_dim):
             providers[f"gluon-{variant}"] = gluon_runner(q, k, v, causal, scale, config_for(head_dim, variant))
-    providers["flashkernel"] = lambda: flashkernel.flash_attn_func(q, k, v, causal=causal)
+    if SELECT["flashkernel"]:
+        providers["flashkernel"] = lambda: flashkernel.flash_attn_func(q, k, v, causal=causal)
 
     reference_out = None
     timings = {}
@@ -423,8 +450,9 @@ def stage_bench(variants, progress_path: str, deadline: float, done: set) -> Non
     import torch
 
     progress = Progress(progress_path)
-    cases = [(128, s, c) for s in BENCH_SEQLENS[:1] for c in (False, True)]
-    cases += [(d, s, c) for s in BENCH_SEQLENS for d in HEAD_DIMS for c in (False, True) if (d, s, c) not in cases]
+    seqlens, head_dims, causals = SELECT["seqlens"], SELECT["head_dims"], SELECT["causal"]
+    cases = [(128, s, c) for s in seqlens[:1] for c in causals] if 128 in head_dims else []
+    cases += [(d, s, c) for s in seqlens for d in head_dims for c in causals if (d, s, c) not in cases]
     for head_dim, seqlen, causal in cases:
         if f"{head_dim}/{seqlen}/{int(causal)}" in done:
             continue
@@ -582,7 +610,8 @@ def run_correctness(args, budget_end: float, tmp: str) -> tuple[dict, list]:
         dtypes = args.dtypes if attempt == 0 or args.all_dtypes else args.dtypes[:1]
         child = run_child(["--stage", "correctness", "--variants", *remaining, "--deadline",
                            str(time.time() + timeout - 8), "--dtypes", *dtypes]
-                          + (["--all-dtypes"] if args.all_dtypes else []), timeout, path, args.stall)
+                          + (["--all-dtypes"] if args.all_dtypes else []) + selection_args(args),
+                          timeout, path, args.stall)
         children.append(child)
         new = read_progress(path)
         records += new
@@ -625,7 +654,8 @@ def run_bench(args, variants: list, budget_end: float, tmp: str) -> list:
         done = [f"{r['head_dim']}/{r['seqlen']}/{int(r['causal'])}" for r in records if "providers" in r]
         log(f"== bench: gluon variants {variants or 'none'} vs flashkernel vs cuDNN (at most {timeout:.0f} s)")
         child = run_child(["--stage", "bench", "--deadline", str(time.time() + timeout - 10),
-                           "--variants", *variants, "--done", *done], timeout, path, args.stall)
+                           "--variants", *variants, "--done", *done] + selection_args(args),
+                          timeout, path, args.stall)
         new = read_progress(path)
         records += new
         hung = hung_provider(new)
@@ -639,6 +669,12 @@ def run_bench(args, variants: list, budget_end: float, tmp: str) -> list:
         variants = [v for v in variants if v != hung[len("gluon-"):]]
         attempt += 1
     return records
+
+
+def selection_args(args) -> list:
+    """The shape selection of the command line, for a child stage."""
+    return (["--head-dims", *map(str, args.head_dims), "--seqlens", *map(str, args.seqlens)]
+            + (["--causal-only"] if args.causal_only else []) + (["--no-flashkernel"] if args.no_flashkernel else []))
 
 
 def run_gpu(args) -> int:
@@ -667,6 +703,11 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="Gluon variants to check and time (default: all; d64_* only run at d64)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS), choices=list(HEAD_DIMS))
+    parser.add_argument("--seqlens", nargs="+", type=int, default=list(BENCH_SEQLENS),
+                        help="bench sequence lengths (16k tokens per batch; the first one's d128 cases run first)")
+    parser.add_argument("--causal-only", action="store_true",
+                        help="causal cases only (correctness and bench; with --compile-only, causal specializations)")
+    parser.add_argument("--no-flashkernel", action="store_true", help="bench without flash_attn_func (saves time)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     parser.add_argument("--all-dtypes", action="store_true",
                         help="correctness of every variant in every dtype (default: the first variant only)")
@@ -682,6 +723,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--done", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    SELECT.update(head_dims=tuple(args.head_dims), causal=(True,) if args.causal_only else (False, True),
+                  seqlens=tuple(args.seqlens), flashkernel=not args.no_flashkernel)
 
     if args.compile_only:
         return run_compile_only(args)

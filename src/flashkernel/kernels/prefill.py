@@ -491,8 +491,9 @@ def gluon_config_from(rule: dict | None, head_dim: int):
 
     On the H200 (docs/perf-notes.md, "Prefill in Gluon"): d128/d256 above 4096 keys run one
     program per query tile with the two consumer warpgroups taking turns on the tensor cores;
-    up to 4096 keys a persistent grid (the next tile's loads overlap this tile's end); d64 runs
-    three consumer warpgroups on a persistent grid, except causal below 4096 keys.
+    up to 4096 keys a persistent grid (the next tile's loads overlap this tile's end), at d256
+    causal with each warpgroup visiting only the key tiles its own rows see; d64 runs three
+    consumer warpgroups on a persistent grid, except causal up to 1024 keys.
     """
     gluon = _gluon_module()
     if rule is None:

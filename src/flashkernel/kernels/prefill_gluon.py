@@ -65,6 +65,20 @@ persistent and 3-warpgroup options are described after the default design):
   the pipelined loop at BLOCK_N 128 spills; ``D64_3WG`` runs the simple loop (3 warpgroups
   still interleave), or pipelined at BLOCK_N 64.
 
+* **Per-warpgroup key ranges** (``GluonConfig.wg_tiles``, causal only; off by default): with the
+  causal mask, warpgroup 0 of a query tile sees fewer keys than warpgroup 1. Each consumer then
+  computes its own trip count and unmasked-tile count from its 64 rows (``_wg_key_tiles``); the
+  producer still loads the tile's union. At BLOCK_N 64 (d256, or ``block_n=64``) warpgroup 0
+  skips the diagonal's last 64-key tile and warpgroup 1 runs one more tile unmasked; at
+  BLOCK_N 128 a warpgroup whose rows see only the first 64 keys of its last tile (warpgroup 0
+  on the diagonal) runs that tile as a peeled half-width iteration: ``S`` is a 64x64 wgmma on
+  the first 64 rows of the K tile (a shared-memory slice) and ``P V`` uses the first 64 rows of
+  V (tile 0 always runs full width: the prologue is not peeled). A consumer releases the tiles
+  it skips, each after waiting for its ``ready`` (an ``empty`` arrival for ring use ``u`` is
+  safe only once the phase of use ``u - STAGES`` completed, which ``ready`` of ``u`` implies),
+  and with ``PINGPONG`` takes and passes the skipped rounds, so every consumer still runs
+  ``n_tiles - 1`` rounds per item. Non-causal specializations compile to the same code.
+
 Tile shapes per head dim (``CONFIGS``; shared memory = Q 2x64xD + STAGES x (K + V) BLOCK_N x D,
 plus 2x64xD for the persistent kernel's O buffer at d64/d128):
 d64: BLOCK_N 128, 3 stages (112 KB); d128: 128, 2 stages (160 KB); d256: 64, 2 stages (192 KB).
@@ -122,6 +136,12 @@ class GluonConfig:
     # Persistent only: at most this many programs (None: one per SM). For tests: a small grid
     # makes every program run many work items.
     max_programs: int | None = None
+    # Causal only: per-warpgroup key ranges. Each consumer warpgroup runs only the key tiles its
+    # own 64 rows see, and its own count of unmasked tiles; at BLOCK_N 128 a warpgroup whose rows
+    # see only the first half of its last key tile runs that tile as a 64-key QK^T and PV. The
+    # producer still loads the tile's union; a warpgroup that skips tiles releases them (after
+    # their ``ready``) and, with ``pingpong``, passes its turns. Non-causal code is unchanged.
+    wg_tiles: bool = False
 
 
 CONFIGS = {
@@ -136,6 +156,11 @@ PERSISTENT_CONFIGS = {d: dataclasses.replace(c, persistent=True) for d, c in CON
 # The pipelined loop at BLOCK_N 128 needs more than 160 registers (it spills), so this one runs
 # the simple loop; ``block_n=64, stages=3`` with ``pipeline=True`` fits as well.
 D64_3WG = GluonConfig(block_n=128, stages=2, pipeline=False, num_consumers=3, consumer_regs=160, producer_regs=24)
+
+# Causal, short sequences: persistent with per-warpgroup key ranges (``wg_tiles``). Candidates
+# for ``prefill.gluon_config`` once measured (benchmarks/tools/gluon_check.py variants
+# ``persistent_wg``, ``persistent_n64_wg``, ``d64_3wg_persistent_wg``).
+WG_TILES_CONFIGS = {d: dataclasses.replace(c, wg_tiles=True) for d, c in PERSISTENT_CONFIGS.items()}
 
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 
@@ -204,6 +229,30 @@ def _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.const
     n_tiles = gl.maximum(gl.cdiv(gl.maximum(end, 0), BLOCK_N), 1)
     unmasked = gl.maximum(full, 0) // BLOCK_N
     return n_tiles, unmasked
+
+
+@gluon.jit
+def _wg_key_tiles(wg_row0, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+    """Causal key range of one consumer warpgroup (rows ``[wg_row0, wg_row0 + 64)``):
+    ``(n_tiles, unmasked, half_last)``.
+
+    Never more tiles than :func:`_key_tiles` gives its query tile (the producer's count): its
+    rows are a subset. With ``HALF`` (BLOCK_N = 128) ``half_last`` is 1 when the rows see only
+    the first 64 keys of their last tile (keys ``< end <= 128 (n - 1) + 64``) and that tile is
+    not tile 0 (the pipelined loop's prologue always runs a full tile); else 0.
+    """
+    shift = seqlen_k - seqlen_q
+    end = gl.minimum(seqlen_k, gl.minimum(wg_row0 + _WG, seqlen_q) + shift)
+    full = gl.minimum(seqlen_k, wg_row0 + 1 + shift)
+    unmasked = gl.maximum(full, 0) // BLOCK_N
+    if HALF:
+        halves = gl.maximum(gl.cdiv(gl.maximum(end, 0), BLOCK_N // 2), 1)
+        n_tiles = (halves + 1) // 2
+        half_last = (halves % 2) * (n_tiles >= 2).to(gl.int32)
+    else:
+        n_tiles = gl.maximum(gl.cdiv(gl.maximum(end, 0), BLOCK_N), 1)
+        half_last = n_tiles * 0
+    return n_tiles, unmasked, half_last
 
 
 @gluon.jit
@@ -321,11 +370,14 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
 
 
 @gluon.jit
-def _issue_qk(q_smem, k_bufs, k_ready, j, STAGES: gl.constexpr, s_layout: gl.constexpr):
-    """Wait for K ring use ``j`` and issue ``S = Q K^T`` asynchronously; returns the wgmma token."""
+def _issue_qk(q_smem, k_bufs, k_ready, j, STAGES: gl.constexpr, s_layout: gl.constexpr, HALF: gl.constexpr = False):
+    """Wait for K ring use ``j`` and issue ``S = Q K^T`` asynchronously; returns the wgmma token.
+    With ``HALF`` only the first half of the tile's keys (``s_layout`` is then the half width's)."""
     slot, phase = _ring_slot(j, STAGES)
     mbarrier.wait(k_ready.index(slot), phase)
     k_smem = _as_matrix(k_bufs.index(slot))
+    if HALF:
+        k_smem = k_smem.slice(0, k_smem.shape[0] // 2, dim=0)
     rows: gl.constexpr = q_smem.shape[0]
     cols: gl.constexpr = k_smem.shape[0]
     s0 = gl.zeros([rows, cols], gl.float32, s_layout)
@@ -333,11 +385,15 @@ def _issue_qk(q_smem, k_bufs, k_ready, j, STAGES: gl.constexpr, s_layout: gl.con
 
 
 @gluon.jit
-def _issue_pv(p, v_bufs, v_ready, acc, j, STAGES: gl.constexpr):
-    """Wait for V ring use ``j`` and issue ``acc += P V`` asynchronously (P from registers)."""
+def _issue_pv(p, v_bufs, v_ready, acc, j, STAGES: gl.constexpr, HALF: gl.constexpr = False):
+    """Wait for V ring use ``j`` and issue ``acc += P V`` asynchronously (P from registers; with
+    ``HALF`` the first half of the tile's keys only)."""
     slot, phase = _ring_slot(j, STAGES)
     mbarrier.wait(v_ready.index(slot), phase)
-    return warpgroup_mma(p, _as_matrix(v_bufs.index(slot)), acc, is_async=True)
+    v_smem = _as_matrix(v_bufs.index(slot))
+    if HALF:
+        v_smem = v_smem.slice(0, v_smem.shape[0] // 2, dim=0)
+    return warpgroup_mma(p, v_smem, acc, is_async=True)
 
 
 @gluon.jit
@@ -416,21 +472,68 @@ def _pass_turn(turn_bars, me: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
+def _skip_tiles(k_ready, k_empty, v_ready, v_empty, turn_bars, first, n_total, base, round0,
+                ME: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Release ring uses ``base + first .. base + n_total - 1`` that this warpgroup does not
+    compute (``wg_tiles``: the other warpgroups' rows see more keys).
+
+    Each release waits for the tile's ``ready`` first: an ``empty`` arrival for use ``u`` is
+    only safe once the barrier's phase of use ``u - STAGES`` has completed (else it would count
+    towards that phase), and ``ready`` of use ``u`` implies it (the producer waited for it before
+    loading). With ``PINGPONG`` the skipped rounds (``round0 + j - 1``) are taken and passed at
+    once, so every warpgroup runs the same rounds per item and the order stays 0, 1, .., 0, ..
+    """
+    for j in range(first, n_total):
+        if PINGPONG:
+            _take_turn(turn_bars, ME, round0 + j - 1)
+            _pass_turn(turn_bars, ME, NUM_CONSUMERS)
+        slot, phase = _ring_slot(base + j, STAGES)
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot))
+
+
+@gluon.jit
+def _half_softmax(s_h, m_i, l_i, j, unmasked, rows, seqlen_k, shift, qk_scale,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FUSED_MASK: gl.constexpr):
+    """:func:`_softmax_tile` on the first half (``BLOCK_N // 2`` keys) of key tile ``j``: it is
+    key tile ``2 j`` of half width; the row vectors move to the half-width layout and back (the
+    same registers: both are the rows of an m64 wgmma accumulator)."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    row_h: gl.constexpr = gl.SliceLayout(1, s_h.type.layout)
+    row_layout: gl.constexpr = m_i.type.layout
+    p, m_h, l_h, alpha = _softmax_tile(s_h, gl.convert_layout(m_i, row_h), gl.convert_layout(l_i, row_h), 2 * j,
+                                       2 * unmasked, gl.convert_layout(rows, row_h), seqlen_k, shift, qk_scale,
+                                       HALF_N, CAUSAL, FUSED_MASK)
+    return p, gl.convert_layout(m_h, row_layout), gl.convert_layout(l_h, row_layout), alpha
+
+
+@gluon.jit
 def _loop_simple(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, q_empty,
                  n_tiles, unmasked, rows, seqlen_k, shift, qk_scale, base,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, RELEASE_Q: gl.constexpr, FUSED_MASK: gl.constexpr = False):
+                 CAUSAL: gl.constexpr, RELEASE_Q: gl.constexpr, FUSED_MASK: gl.constexpr = False,
+                 n_total=0, half_last=0, turn_bars=None, round0=0, ME: gl.constexpr = 0,
+                 NUM_CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = False):
     """Key loop without cross-tile overlap: QK^T, wait, softmax, PV, wait. Returns acc, m, l.
 
     Ring uses are ``base + j``; with ``RELEASE_Q``, ``q_empty`` is arrived on once the last
-    ``S`` is complete (Q is not read after that)."""
+    ``S`` is complete (Q is not read after that). With ``WG_TILES`` this warpgroup computes
+    ``n_tiles`` of the item's ``n_total`` tiles, the last one halved when ``half_last`` (BLOCK_N
+    128), and releases the rest (:func:`_skip_tiles`)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    HALF: gl.constexpr = WG_TILES and BLOCK_N == 2 * _WG
     m_i = gl.full([_WG], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([_WG], gl.float32, row_layout)
     acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
-    for j in range(n_tiles):
+    if HALF:
+        n_loop = n_tiles - half_last
+    else:
+        n_loop = n_tiles
+    for j in range(n_loop):
         s = _issue_qk(q_smem, k_bufs, k_ready, base + j, STAGES, s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
         _release(k_empty, base + j, STAGES)
@@ -442,6 +545,24 @@ def _loop_simple(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, q_e
         acc = _issue_pv(_as_a_operand(p, q_smem.dtype, o_layout), v_bufs, v_ready, acc, base + j, STAGES)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _release(v_empty, base + j, STAGES)
+    if HALF:
+        if half_last != 0:
+            # The last tile (index n_tiles - 1 >= 1), first 64 keys only.
+            jl = n_tiles - 1
+            s_h = _issue_qk(q_smem, k_bufs, k_ready, base + jl, STAGES, wgmma_layout(BLOCK_N // 2), True)
+            s_h = warpgroup_mma_wait(0, deps=(s_h,))
+            _release(k_empty, base + jl, STAGES)
+            if RELEASE_Q:
+                mbarrier.arrive(q_empty)
+            p_h, m_i, l_i, alpha_h = _half_softmax(s_h, m_i, l_i, jl, unmasked, rows, seqlen_k, shift, qk_scale,
+                                                 BLOCK_N, CAUSAL, FUSED_MASK)
+            acc = _rescale(acc, alpha_h)
+            acc = _issue_pv(_as_a_operand(p_h, q_smem.dtype, o_layout), v_bufs, v_ready, acc, base + jl, STAGES, True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _release(v_empty, base + jl, STAGES)
+    if WG_TILES:
+        _skip_tiles(k_ready, k_empty, v_ready, v_empty, turn_bars, n_tiles, n_total, base, round0,
+                    ME, STAGES, False, NUM_CONSUMERS)
     return acc, m_i, l_i
 
 
@@ -465,14 +586,19 @@ def _loop_pipelined(q_smem, fence_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready
                     n_tiles, unmasked, rows, seqlen_k, shift, qk_scale, base, round0,
                     ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                    NUM_CONSUMERS: gl.constexpr, RELEASE_Q: gl.constexpr, FUSED_MASK: gl.constexpr = False):
+                    NUM_CONSUMERS: gl.constexpr, RELEASE_Q: gl.constexpr, FUSED_MASK: gl.constexpr = False,
+                    n_total=0, half_last=0, WG_TILES: gl.constexpr = False):
     """Key loop with the softmax of tile j overlapping ``P_{j-1} V_{j-1}`` (see the module
     docstring). Ring uses are ``base + j``, ping-pong rounds ``round0 + j - 1``; with
-    ``RELEASE_Q``, ``q_empty`` is arrived on once the last ``S`` is complete. Returns acc, m, l."""
+    ``RELEASE_Q``, ``q_empty`` is arrived on once the last ``S`` is complete. With ``WG_TILES``
+    this warpgroup computes ``n_tiles`` of the item's ``n_total`` tiles, the last one (index >= 1)
+    halved when ``half_last`` (BLOCK_N 128: a peeled last iteration of half width), and releases
+    the rest (:func:`_skip_tiles`). Returns acc, m, l."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
+    HALF: gl.constexpr = WG_TILES and BLOCK_N == 2 * _WG
 
     # Prologue: tile 0's scores and probabilities; O starts at 0, so no rescale.
     s = _issue_qk(q_smem, k_bufs, k_ready, base, STAGES, s_layout)
@@ -487,7 +613,11 @@ def _loop_pipelined(q_smem, fence_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready
     p_op = _as_a_operand(p, dtype, o_layout)
     acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
 
-    for j in range(1, n_tiles):
+    if HALF:
+        n_loop = n_tiles - half_last
+    else:
+        n_loop = n_tiles
+    for j in range(1, n_loop):
         if PINGPONG:
             _take_turn(turn_bars, ME, round0 + j - 1)
         s = _issue_qk(q_smem, k_bufs, k_ready, base + j, STAGES, s_layout)
@@ -506,9 +636,41 @@ def _loop_pipelined(q_smem, fence_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready
         acc = _rescale(acc, alpha)
         p_op = _as_a_operand(p, dtype, o_layout)
 
-    acc = _issue_pv(p_op, v_bufs, v_ready, acc, base + n_tiles - 1, STAGES)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    _release(v_empty, base + n_tiles - 1, STAGES)
+    if HALF:
+        if half_last != 0:
+            # Peeled last iteration (j = n_tiles - 1 >= 1): S of the tile's first 64 keys
+            # alongside P_{j-1} V_{j-1}, then the half-width P V.
+            jl = n_tiles - 1
+            if PINGPONG:
+                _take_turn(turn_bars, ME, round0 + jl - 1)
+            s_h = _issue_qk(q_smem, k_bufs, k_ready, base + jl, STAGES, wgmma_layout(BLOCK_N // 2), True)
+            acc = _issue_pv(p_op, v_bufs, v_ready, acc, base + jl - 1, STAGES)
+            if PINGPONG:
+                _pass_turn(turn_bars, ME, NUM_CONSUMERS)
+            s_h = warpgroup_mma_wait(1, deps=(s_h,))
+            _release(k_empty, base + jl, STAGES)
+            if RELEASE_Q:
+                mbarrier.arrive(q_empty)
+            p_h, m_i, l_i, alpha_h = _half_softmax(s_h, m_i, l_i, jl, unmasked, rows, seqlen_k, shift, qk_scale,
+                                                 BLOCK_N, CAUSAL, FUSED_MASK)
+            _schedule_fence(fence_bar)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _release(v_empty, base + jl - 1, STAGES)
+            acc = _rescale(acc, alpha_h)
+            acc = _issue_pv(_as_a_operand(p_h, dtype, o_layout), v_bufs, v_ready, acc, base + jl, STAGES, True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _release(v_empty, base + jl, STAGES)
+        else:
+            acc = _issue_pv(p_op, v_bufs, v_ready, acc, base + n_tiles - 1, STAGES)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _release(v_empty, base + n_tiles - 1, STAGES)
+    else:
+        acc = _issue_pv(p_op, v_bufs, v_ready, acc, base + n_tiles - 1, STAGES)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        _release(v_empty, base + n_tiles - 1, STAGES)
+    if WG_TILES:
+        _skip_tiles(k_ready, k_empty, v_ready, v_empty, turn_bars, n_tiles, n_total, base, round0,
+                    ME, STAGES, PINGPONG, NUM_CONSUMERS)
     return acc, m_i, l_i
 
 
@@ -541,8 +703,9 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
               PIPELINE: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr, SEPARATE_O: gl.constexpr):
+              PERSISTENT: gl.constexpr, SEPARATE_O: gl.constexpr, WG_TILES_OPT: gl.constexpr):
     """Consumer warpgroup ``ME``: query rows ``[row0 + 64 ME, row0 + 64 ME + 64)`` of each tile."""
+    WG_TILES: gl.constexpr = WG_TILES_OPT and CAUSAL  # per-warpgroup key ranges (causal only)
     q_ready, k_ready, k_empty, v_ready, v_empty = bars
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * _WG
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
@@ -557,6 +720,11 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
             t = _persistent_item(n, CAUSAL)
             _, _, tile_row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
             n_tiles, unmasked = _key_tiles(tile_row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
+            n_mine = n_tiles
+            half_last = 0
+            if WG_TILES:
+                n_mine, unmasked, half_last = _wg_key_tiles(tile_row0 + ME * _WG, seqlen_q, seqlen_k, BLOCK_N,
+                                                            BLOCK_N == 2 * _WG)
             # The loop gets each row's last visible key (shift 0) and nothing else per item that
             # lives through it: (b, head, rows) are recomputed from t after it (at d128 causal,
             # keeping them live spills).
@@ -565,14 +733,15 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
             if PIPELINE:
                 # Ping-pong rounds: n_tiles - 1 per item, so base - n before this one.
                 acc, m_i, l_i = _loop_pipelined(_as_matrix(q_buf), fence_bar, k_bufs, v_bufs, k_ready, k_empty,
-                                                v_ready, v_empty, turn_bars, my_q_empty, n_tiles, unmasked, last_key,
+                                                v_ready, v_empty, turn_bars, my_q_empty, n_mine, unmasked, last_key,
                                                 seqlen_k, 0, qk_scale, base, base - n,
                                                 ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, NUM_CONSUMERS,
-                                                SEPARATE_O, True)
+                                                SEPARATE_O, True, n_tiles, half_last, WG_TILES)
             else:
                 acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                             my_q_empty, n_tiles, unmasked, last_key, seqlen_k, 0, qk_scale, base,
-                                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SEPARATE_O, True)
+                                             my_q_empty, n_mine, unmasked, last_key, seqlen_k, 0, qk_scale, base,
+                                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SEPARATE_O, True,
+                                             n_tiles, half_last, turn_bars, base - n, ME, NUM_CONSUMERS, WG_TILES)
             base += n_tiles
             b, head, tile_row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
             row0 = tile_row0 + ME * _WG
@@ -593,17 +762,23 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
         b, head, tile_row0 = _program_tile(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
         n_tiles, unmasked = _key_tiles(tile_row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
         row0 = tile_row0 + ME * _WG
+        n_mine = n_tiles
+        half_last = 0
+        if WG_TILES:
+            n_mine, unmasked, half_last = _wg_key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N, BLOCK_N == 2 * _WG)
         rows = row0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
         mbarrier.wait(q_ready, 0)
         if PIPELINE:
             acc, m_i, l_i = _loop_pipelined(_as_matrix(q_buf), q_ready, k_bufs, v_bufs, k_ready, k_empty,
-                                            v_ready, v_empty, turn_bars, q_empty, n_tiles, unmasked, rows, seqlen_k,
+                                            v_ready, v_empty, turn_bars, q_empty, n_mine, unmasked, rows, seqlen_k,
                                             shift, qk_scale, 0, 0,
-                                            ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, NUM_CONSUMERS, False)
+                                            ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, NUM_CONSUMERS, False,
+                                            False, n_tiles, half_last, WG_TILES)
         else:
             acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                         q_empty, n_tiles, unmasked, rows, seqlen_k, shift, qk_scale, 0,
-                                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False)
+                                         q_empty, n_mine, unmasked, rows, seqlen_k, shift, qk_scale, 0,
+                                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, False,
+                                         n_tiles, half_last, turn_bars, 0, ME, NUM_CONSUMERS, WG_TILES)
         # Q is dead once the last S was waited for: its buffer stages this warpgroup's output.
         _write_results(acc, m_i, l_i, o_desc, q_buf, Lse, stride_lb, stride_lh, stride_ls,
                        b, head, row0, rows, seqlen_q, WRITE_LSE, True)
@@ -633,6 +808,7 @@ def _gluon_attention_kernel(
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PERSISTENT: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, SEPARATE_O: gl.constexpr = False,
+    WG_TILES: gl.constexpr = False,
 ):
     """Grid ``(m_tiles * Hq * B,)``, or ``(min(#SMs, m_tiles * Hq * B),)`` with ``PERSISTENT``;
     4 warps (+ 4 per extra consumer + 1 producer warp in the partitions).
@@ -674,11 +850,11 @@ def _gluon_attention_kernel(
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O)),
+                         PERSISTENT, SEPARATE_O, WG_TILES)),
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O)),
+                         PERSISTENT, SEPARATE_O, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
                          seqlen_q, seqlen_k, num_heads, group_size, batch, BLOCK_N, STAGES, CAUSAL,
                          NUM_CONSUMERS, PERSISTENT)),
@@ -688,15 +864,15 @@ def _gluon_attention_kernel(
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O)),
+                         PERSISTENT, SEPARATE_O, WG_TILES)),
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O)),
+                         PERSISTENT, SEPARATE_O, WG_TILES)),
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O)),
+                         PERSISTENT, SEPARATE_O, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
                          seqlen_q, seqlen_k, num_heads, group_size, batch, BLOCK_N, STAGES, CAUSAL,
                          NUM_CONSUMERS, PERSISTENT)),
@@ -762,6 +938,8 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
                   CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
                   PERSISTENT=config.persistent, NUM_CONSUMERS=config.num_consumers,
                   SEPARATE_O=o_separate(head_dim, config))
+    if config.wg_tiles:  # only then: the other specializations keep their old cache keys
+        kwargs["WG_TILES"] = True
     return grid, args, kwargs
 
 
