@@ -114,7 +114,7 @@ def sweep_spec(args, device):
 def measure_settings(args):
     from .bench.measure import Settings
 
-    warmup = args.warmup_ms if args.warmup_ms is not None else (5.0 if args.quick else 10.0)
+    warmup = args.warmup_ms if args.warmup_ms is not None else (50.0 if args.quick else 200.0)
     rep = args.rep_ms if args.rep_ms is not None else (20.0 if args.quick else 40.0)
     return Settings(warmup_ms=warmup, rep_ms=rep, cpu_reps=2 if args.quick else 3)
 
@@ -391,7 +391,7 @@ def _add_bench(sub) -> None:
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-ceilings", action="store_true", help="do not measure / load the GPU's ceilings")
     bench.add_argument("--no-progress", action="store_true")
-    bench.add_argument("--warmup-ms", type=float, help="warm-up per provider and case (10; quick 5)")
+    bench.add_argument("--warmup-ms", type=float, help="warm-up per provider and case (200; quick 50): long enough for the GPU clock to recover after a compile pause")
     bench.add_argument("--rep-ms", type=float, help="measuring time per provider and case (40; quick 20)")
     bench.add_argument("--seed", type=int, default=0)
     bench.set_defaults(handler=cmd_bench)

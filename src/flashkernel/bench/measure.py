@@ -32,7 +32,9 @@ CPU_INTERPRETER = "cpu-interpreter"
 class Settings:
     """How long to warm up and to measure, per provider and case."""
 
-    warmup_ms: float = 10.0
+    # After a pause (a kernel compiling) the GPU clock takes ~0.1 s to ramp up; 10 ms of warm-up
+    # measured short prefill cases at half speed (docs/perf-notes.md).
+    warmup_ms: float = 200.0
     rep_ms: float = 40.0
     min_samples: int = 10
     max_samples: int = 300
