@@ -66,3 +66,96 @@ def test_host_integer_helpers_match_triton():
     import triton
     assert all(_common.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 3000))
     assert all(_common.cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 200) for b in range(1, 40))
+
+
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: counts slow-path launches, returns a recording compiled kernel."""
+    arg_names = ["X", "n", "scale", "BLOCK"]
+
+    def __init__(self):
+        self.slow, self.fast = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.slow.append((grid, args, kwargs))
+            return _FakeCompiled(self.fast)
+        return launch
+
+
+class _FakeDriver:
+    class active:
+        device = 0
+
+        @classmethod
+        def get_current_device(cls):
+            return cls.device
+
+        @staticmethod
+        def get_current_stream(device):
+            return 1234
+
+
+@pytest.fixture
+def fake_launcher(monkeypatch):
+    monkeypatch.setattr(_launch, "driver", _FakeDriver)
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", True)
+    kernel = _FakeKernel()
+    launcher = _launch.Launcher(kernel)
+    launcher.interpreted = False
+    return kernel, launcher
+
+
+def test_repeat_launch_goes_straight_to_the_compiled_kernel(fake_launcher):
+    kernel, launcher = fake_launcher
+    x = torch.empty(64, dtype=torch.float16)
+    launcher((3, 2), x, 16, 0.5, BLOCK=64, num_warps=4, num_stages=3)
+    launcher((5, 2), x, 16, 0.5, BLOCK=64, num_warps=4, num_stages=3)
+    assert len(kernel.slow) == 1
+    (run,) = kernel.fast
+    # grid x, y, z, stream, function, metadata, launch metadata, hooks, then every argument in order
+    assert run[:6] == (5, 2, 1, 1234, "fn", "meta")
+    assert run[-4:] == (x, 16, 0.5, 64)
+
+
+@pytest.mark.parametrize("change", ["num_stages", "num_warps", "constexpr", "dtype", "alignment", "int",
+                                    "device", "extra_option"])
+def test_anything_triton_specializes_on_misses_the_cache(fake_launcher, change):
+    kernel, launcher = fake_launcher
+    x = torch.empty(64, dtype=torch.float16)
+    base = dict(args=(x, 16, 0.5), named=dict(BLOCK=64, num_warps=4, num_stages=3))
+    launcher((1,), *base["args"], **base["named"])
+    args, named = list(base["args"]), dict(base["named"])
+    if change == "num_stages":
+        named["num_stages"] = 2
+    elif change == "num_warps":
+        named["num_warps"] = 8
+    elif change == "constexpr":
+        named["BLOCK"] = 128
+    elif change == "dtype":
+        args[0] = torch.empty(64, dtype=torch.bfloat16)
+    elif change == "alignment":
+        args[0] = x[1:]
+    elif change == "int":
+        args[1] = 17
+    elif change == "device":
+        _FakeDriver.active.device = 1
+    elif change == "extra_option":
+        named["launch_pdl"] = True
+    try:
+        launcher((1,), *args, **named)
+    finally:
+        _FakeDriver.active.device = 0
+    assert len(kernel.slow) == 2 and not kernel.fast

@@ -124,3 +124,27 @@ def test_flash_attn_func_uses_gluon_at_head_dim_128_gpu(causal, monkeypatch):
     out = flashkernel.flash_attn_func(q, k, v, causal=causal)
     assert len(calls) == 1
     assert_output_close(out, q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_supported_rejects_what_tma_cannot_address_gpu():
+    gluon = prefill._gluon_module()
+    q, k, v = random_qkv(1, 64, 64, 4, 2, 128, torch.bfloat16)
+    assert gluon.supported(q, k, v)
+    flat = torch.randn(q.numel() + 1, device=DEVICE, dtype=torch.bfloat16)
+    assert not gluon.supported(flat[1:].view(q.shape), k, v)  # base not 16-byte aligned
+    assert not gluon.supported(q, k[:, :, :1].expand(1, 64, 2, 128), v)  # broadcast (stride-0) heads
+    q3, k3, v3 = random_qkv(1, 64, 64, 3, 2, 128, torch.bfloat16)
+    assert not gluon.supported(q3, k3, v3)  # 3 query heads over 2 KV heads
+    q0 = q[:, :, :0]
+    assert not gluon.supported(q0, k, v)
+    out = flashkernel.flash_attn_func(q0, k, v)  # zero query heads: an empty result, no error
+    assert out.shape == q0.shape
+
+
+def test_unknown_backend_is_refused():
+    q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="backend"):
+        prefill.attention_forward(q, k, v, torch.empty_like(q), None, causal=False, softmax_scale=0.1,
+                                  backend="Gluon")

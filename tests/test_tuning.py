@@ -31,13 +31,21 @@ def test_shipped_sm90_table_holds_the_h200_sweep(fresh_tables):
         assert entry["gluon"][str(head_dim)], head_dim
 
 
-def test_lookup_by_name_then_capability(fresh_tables, tmp_path):
+def test_name_entry_layers_over_the_capability_entry(fresh_tables, tmp_path):
+    """A file as save_autotuned writes it (one head dim, keyed by device name) changes that head
+    dim only: the capability entry's other head dims and its Gluon rules stay."""
     user = tmp_path / "mine.json"
-    user.write_text(json.dumps({"gpus": {"My GPU": {"triton_pointer": {"128": [64, 64, 4, 2]}}}}))
+    user.write_text(json.dumps({"gpus": {"My GPU": {"triton_pointer": {"128": [64, 64, 4, 2]}},
+                                         "sm_90": {"triton_tma": {"64": [64, 64, 4, 2]}}}}))
     fresh_tables.setenv(tuning.USER_FILE_ENV, str(user))
     tuning.load_tables.cache_clear()
-    assert tuning.gpu_entry("My GPU", "sm_90")["triton_pointer"]["128"] == [64, 64, 4, 2]
+    mine = tuning.gpu_entry("My GPU", "sm_90")
+    assert mine["triton_pointer"]["128"] == [64, 64, 4, 2]
+    assert mine["triton_pointer"]["64"] == [128, 64, 8, 3]
+    assert mine["triton_tma"]["64"] == [64, 64, 4, 2] and mine["triton_tma"]["128"] == [128, 128, 8, 3]
+    assert tuning.gluon_rule("My GPU", "sm_90", 128, False, 1024)["base"] == "persistent"
     assert tuning.gpu_entry("Other GPU", "sm_90")["triton_pointer"]["128"] == [128, 128, 8, 3]
+    assert tuning.gpu_entry("My GPU", "sm_75") == {"triton_pointer": {"128": [64, 64, 4, 2]}}
     assert tuning.gpu_entry("Other GPU", "sm_75") is None
 
 
@@ -51,8 +59,15 @@ def test_heuristic_fits_the_shared_memory(block_d, shared_kb):
     assert config == (fits[0] if fits else tuning.CANDIDATES[block_d][-1])
 
 
-def test_heuristic_on_a_hopper_sized_gpu_is_the_tuned_shape():
-    assert tuning.heuristic_tile_config(128, 227 * 1024) == tuning.TileConfig(128, 128, 8, 3)
+@pytest.mark.parametrize("block_d, shared, expected", [
+    (128, 232448, (128, 128, 8, 3)),  # Hopper's 227 KB: the tuned shape
+    (128, 166912, (128, 64, 8, 3)),   # A100's 163 KB
+    (128, 101376, (64, 32, 4, 2)),    # 99 KB (sm_86/sm_89)
+    (256, 101376, (64, 32, 4, 2)),
+    (64, 101376, (128, 64, 8, 3)),    # d64 tiles fit 99 KB whole
+])
+def test_heuristic_known_gpus(block_d, shared, expected):
+    assert tuning.heuristic_tile_config(block_d, shared) == tuning.TileConfig(*expected)
 
 
 def test_gluon_rules_match_in_order():
@@ -71,20 +86,27 @@ def test_interpreter_uses_its_own_small_tiles():
 @pytest.mark.gpu
 def test_autotune_is_opt_in_and_kept_gpu(monkeypatch, tmp_path):
     tuning.clear_autotuned()
-    q, k, v = random_qkv(2, 300, 300, 4, 2, 96, torch.float16)  # d96: the Triton kernel
-    flashkernel.flash_attn_func(q, k, v, causal=True)
-    assert not tuning._AUTOTUNED, "autotuning ran without FLASHKERNEL_AUTOTUNE=1"
-    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
-    out = flashkernel.flash_attn_func(q, k, v, causal=True)
-    assert_output_close(out, q, k, v, causal=True)
-    assert len(tuning._AUTOTUNED) == 1
-    (key, config), = tuning._AUTOTUNED.items()
-    assert config in tuning.CANDIDATES[128] and key[1:] == (128, torch.float16, False, True)
-    saved = tmp_path / "tuned.json"
-    tuning.save_autotuned(saved)
-    entry = next(iter(json.loads(saved.read_text())["gpus"].values()))
-    assert entry["triton_pointer"]["128"] == [config.block_m, config.block_n, config.num_warps, config.num_stages]
-    tuning.clear_autotuned()
+    runs = []
+    real_autotune = tuning.autotune
+    monkeypatch.setattr(tuning, "autotune", lambda *a, **kw: runs.append(1) or real_autotune(*a, **kw))
+    try:
+        q, k, v = random_qkv(2, 300, 300, 4, 2, 96, torch.float16)  # d96: the Triton kernel
+        flashkernel.flash_attn_func(q, k, v, causal=True)
+        assert not runs and not tuning._AUTOTUNED, "autotuning ran without FLASHKERNEL_AUTOTUNE=1"
+        monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
+        for _ in range(2):
+            out = flashkernel.flash_attn_func(q, k, v, causal=True)
+            assert_output_close(out, q, k, v, causal=True)
+        assert len(runs) == 1, "the second call of the class must reuse the tuned config"
+        (key, config), = tuning._AUTOTUNED.items()
+        assert config in tuning.CANDIDATES[128] and key[1:] == (128, torch.float16, False, True)
+        saved = tmp_path / "tuned.json"
+        tuning.save_autotuned(saved)
+        entry = next(iter(json.loads(saved.read_text())["gpus"].values()))
+        assert entry["triton_pointer"]["128"] == [config.block_m, config.block_n, config.num_warps,
+                                                  config.num_stages]
+    finally:
+        tuning.clear_autotuned()
 
 
 @pytest.mark.gpu

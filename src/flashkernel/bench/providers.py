@@ -146,7 +146,7 @@ def build_flashkernel_prefill(inputs: PrefillInputs) -> Prepared:
 
 def build_flashkernel_triton_prefill(inputs: PrefillInputs) -> Prepared:
     """flashkernel's Triton forward kernel alone (``flash_attn_func`` takes the Gluon kernel at
-    head dims 128/256 on Hopper): the two measured side by side."""
+    head dims 64/128/256 on Hopper): the two measured side by side."""
     from flashkernel.kernels import prefill
 
     q, k, v = inputs.q, inputs.k, inputs.v
@@ -261,7 +261,7 @@ def prefill_providers() -> list[Provider]:
     from . import external, flex
 
     return [
-        Provider("flashkernel", "prefill", "flashkernel.flash_attn_func (fused kernel: Gluon at d128/d256 "
+        Provider("flashkernel", "prefill", "flashkernel.flash_attn_func (fused kernel: Gluon at d64/d128/d256 "
                  "on Hopper, else Triton)", lambda _d: None, build_flashkernel_prefill),
         Provider("flashkernel-triton", "prefill", "flashkernel's Triton forward kernel alone",
                  lambda _d: None, build_flashkernel_triton_prefill),

@@ -7,7 +7,10 @@ kernel that is a large part of an eager decode step's host time (docs/perf-notes
 in one pass, and launches later calls with that key through the compiled kernel directly.
 
 The key is every argument's value, except tensors, which contribute their dtype and whether
-their address is 16-byte aligned; plus the launch options and the device. Whatever Triton
+their address is 16-byte aligned; plus the launch options (``num_warps``, ``num_stages``, any
+other compile option passed by name), Triton's debug and instrumentation knobs, and the device.
+Not re-checked on the fast path: Triton's ``pre_run_hooks`` and its test that globals read by
+the kernel kept their values (our kernels read none). Whatever Triton
 specializes on (constexpr values, integers' ``== 1``, ``% 16`` and width, tensors' dtype and
 alignment) is therefore a function of the key, so one key never needs two compiled kernels.
 Integers are keyed by value, more finely than Triton needs: a new stride or batch size costs one
@@ -66,7 +69,10 @@ class Launcher:
             return self.kernel[grid](*args, **named, **options)
         values = args + tuple([named[name] for name in self.names[len(args):]])
         device = driver.active.get_current_device()
-        key = (device, num_warps, num_stages, launch_key(values))
+        key = (device, num_warps, num_stages, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+               launch_key(values))
+        if len(named) + len(args) != len(values):  # compile options beyond the parameters
+            key += (tuple(sorted((k, v) for k, v in named.items() if k not in self.names)),)
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, **named, **options)

@@ -507,7 +507,7 @@ def gluon_config_from(rule: dict | None, head_dim: int):
 def use_gluon(q, k, v, out, interpreted: bool) -> bool:
     """Run the plain forward through the Gluon kernel (Hopper, bf16/fp16, head dim 64/128/256,
     TMA-compatible tensors)?"""
-    if not GLUON_ENABLED or interpreted or q.shape[-1] not in GLUON_HEAD_DIMS:
+    if not GLUON_ENABLED or interpreted or q.shape[-1] not in GLUON_HEAD_DIMS or q.shape[2] == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -571,6 +571,8 @@ def attention_forward(
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     interpreted = is_interpreted(_attention_fwd_kernel)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    if backend not in (None, "triton", "gluon"):
+        raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
     if backend is None:
         automatic = variant.is_plain and config is None and force_tma is None
         backend = "gluon" if automatic and use_gluon(q, k, v, out, interpreted) else "triton"

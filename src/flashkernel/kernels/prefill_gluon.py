@@ -883,8 +883,10 @@ def _gluon_attention_kernel(
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
-    """TMA: 16-byte aligned base and strides, last dim contiguous."""
+    """TMA: 16-byte aligned base and strides, last dim contiguous, no broadcast (stride-0) dims."""
     if x.stride(-1) != 1 or x.data_ptr() % 16:
+        return False
+    if any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
         return False
     return all((s * x.element_size()) % 16 == 0 for s in x.stride()[:-1])
 
@@ -909,7 +911,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         return False
-    if min(q.shape[0], q.shape[1], k.shape[1]) < 1:
+    if min(*q.shape[:3], *k.shape[:3]) < 1:  # empty tensors: the Triton path launches nothing
         return False
     return all(_tma_ok(x) for x in (q, k, v))
 

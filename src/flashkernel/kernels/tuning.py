@@ -9,10 +9,11 @@ shared memory.
 ``FLASHKERNEL_TUNING_FILE=path.json`` merges a file of the same format over the shipped one
 (per GPU key and section), e.g. one written by :func:`save_autotuned`.
 
-Autotuning is opt-in: with ``FLASHKERNEL_AUTOTUNE=1``, the first Triton-kernel prefill call of
-each (device, head dim, dtype, load path, causal) class times :data:`CANDIDATES` on the call's
-own tensors (``triton.testing.do_bench`` medians) and keeps the fastest for the rest of the
-process. The Gluon kernel's rules are not autotuned.
+Autotuning is opt-in: with ``FLASHKERNEL_AUTOTUNE=1``, the first plain (no variant, not
+packed) Triton-kernel prefill call of each (device, head dim, dtype, load path, causal) class
+times :data:`CANDIDATES` on the call's own tensors (``triton.testing.do_bench`` medians) and
+keeps the fastest for the rest of the process: that first call's shape decides for its class.
+The Gluon kernel's rules are not autotuned.
 """
 
 from __future__ import annotations
@@ -65,15 +66,31 @@ def shared_bytes(config: TileConfig, block_d: int, element_size: int = 2) -> int
 # --------------------------------------------------------------------------------------------
 
 
+TRITON_SECTIONS = ("triton_pointer", "triton_tma")  # per head dim: merged entry by entry
+
+
+def _merge_entry(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``: Triton sections per head dim, any other section whole."""
+    merged = dict(base)
+    for section, value in extra.items():
+        if section in TRITON_SECTIONS:
+            merged[section] = {**base.get(section, {}), **value}
+        else:
+            merged[section] = value
+    return merged
+
+
 @functools.lru_cache(maxsize=None)
 def load_tables() -> dict:
-    """The shipped table, with ``$FLASHKERNEL_TUNING_FILE`` merged over it (cached)."""
+    """The shipped table, with ``$FLASHKERNEL_TUNING_FILE`` merged over it (cached): per GPU
+    key, a section of the file replaces the shipped one, except the Triton sections, which are
+    merged per head dim (so a file of a few autotuned head dims keeps the others)."""
     tables = json.loads(TABLE_FILE.read_text())
     user = os.environ.get(USER_FILE_ENV)
     if user:
         extra = json.loads(Path(user).read_text())
         for gpu, sections in extra.get("gpus", {}).items():
-            tables["gpus"].setdefault(gpu, {}).update(sections)
+            tables["gpus"][gpu] = _merge_entry(tables["gpus"].get(gpu, {}), sections)
     return tables
 
 
@@ -91,9 +108,12 @@ def device_facts(device: torch.device) -> tuple[str, str, int]:
 
 
 def gpu_entry(name: str, arch: str) -> dict | None:
-    """The table entry for a GPU: by exact device name, else by compute capability."""
+    """The table entry for a GPU: its compute capability's entry with the entry of its exact
+    device name merged over it (:func:`_merge_entry`); None when neither exists."""
     gpus = load_tables()["gpus"]
-    return gpus.get(name) or gpus.get(arch)
+    if name not in gpus and arch not in gpus:
+        return None
+    return _merge_entry(gpus.get(arch, {}), gpus.get(name, {}))
 
 
 def heuristic_tile_config(block_d: int, shared_limit: int, element_size: int = 2) -> TileConfig:
@@ -142,27 +162,32 @@ def autotuned(key: tuple) -> TileConfig | None:
     return _AUTOTUNED.get(key)
 
 
-def autotune(key: tuple, launch, block_d: int, shared_limit: int, element_size: int) -> TileConfig:
+def autotune(key: tuple, launch, block_d: int, shared_limit: int, element_size: int) -> TileConfig | None:
     """Time ``launch(config)`` for every candidate that fits; keep and return the fastest.
 
-    ``key`` identifies the call class (device, padded head dim, dtype, load path, causal).
-    Candidates that fail to compile or launch are skipped.
+    ``key`` identifies the call class (device, padded head dim, dtype, load path, causal). A
+    candidate that does not compile or does not fit the GPU is skipped; any other error
+    propagates. Returns None (the caller keeps the table's config) when none ran, or when the
+    current stream is capturing a CUDA graph (timing synchronizes, which capture forbids).
     """
     import triton
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
 
+    if torch.cuda.is_current_stream_capturing():
+        return None
     best, best_ms = None, float("inf")
     for config in CANDIDATES[block_d]:
         if shared_bytes(config, block_d, element_size) > shared_limit:
             continue
         try:
             ms = triton.testing.do_bench(lambda c=config: launch(c), warmup=10, rep=40, return_mode="median")
-        except Exception:  # noqa: BLE001 - out of resources, compile errors: not a candidate here
+        except (OutOfResources, CompilationError):
             continue
         if ms < best_ms:
             best, best_ms = config, ms
-    if best is None:
-        raise RuntimeError(f"autotuning found no launchable prefill config for head dim {block_d}")
-    _AUTOTUNED[key] = best
+    if best is not None:
+        _AUTOTUNED[key] = best
     return best
 
 
