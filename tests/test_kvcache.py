@@ -283,6 +283,9 @@ def test_auto_splits_depend_on_shapes_only():
     assert decode.pick_num_splits(programs=512, capacity=131072, block_n=64, sms=132, interpreted=False) == 1
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 8
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=128, sms=132, interpreted=False) == 4
+    # Outside the measured short-context regime (head dim > 128, fp32, explicit configs).
+    assert decode.pick_num_splits(programs=8, capacity=512, block_n=32, sms=132, interpreted=False,
+                                  min_split_tokens=decode.UNMEASURED_MIN_SPLIT_TOKENS) == 2
     assert decode.pick_num_splits(programs=1, capacity=10**6, block_n=64, sms=132, interpreted=False) == 128
 
 

@@ -88,6 +88,9 @@ INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
 WAVES_CONTIGUOUS = 1
 WAVES_PAGED = 2
 MIN_SPLIT_TOKENS = 64  # auto splits give each split at least this much of the capacity
+# ... where the short-context rules below were measured (bf16/fp16, head dim <= 128); elsewhere
+# the earlier floor stays.
+UNMEASURED_MIN_SPLIT_TOKENS = 256
 # Short work per program (measured at 1k contexts, docs/perf-notes.md "Short contexts"): splits
 # of at most SHORT_SPLIT_TOKENS keys use SHORT_BLOCK_N-key tiles (B=1, 1k: 16 splits of one
 # 64-key tile, 12.0 us, against 4 splits of 128-key tiles, 13.4 us); a contiguous-cache grid of
@@ -595,18 +598,18 @@ def attended_span(variant: Variant, capacity: int, seqlen_new: int, tile_tokens:
 
 
 def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool,
-                    paged: bool = False) -> int:
+                    paged: bool = False, min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """Splits for ``programs`` (batch x kv heads x row tiles) programs: a wave or two per SM.
 
     Depends on shapes only (no look at the lengths, so no host sync). Each split gets at least
-    ``MIN_SPLIT_TOKENS`` (one tile when interpreted) of the capacity.
+    ``min_split_tokens`` (one tile when interpreted) of the capacity.
     """
     waves = WAVES_PAGED if paged else WAVES_CONTIGUOUS
     # Round down: one program past a whole wave costs a second, nearly empty wave (a decode
     # program holds a whole SM's shared memory). B=1, 131k: 17 splits x 8 = 136 programs on 132
     # SMs ran at 2.75 TB/s, 16 splits at 3.92.
     wanted = (waves * sms) // max(programs, 1)
-    min_tokens = block_n if interpreted else max(block_n, MIN_SPLIT_TOKENS)
+    min_tokens = block_n if interpreted else max(block_n, min_split_tokens)
     by_context = max(1, cdiv(capacity, min_tokens))
     return max(1, min(wanted, by_context, MAX_AUTO_SPLITS))
 
@@ -715,10 +718,16 @@ def decode_forward(
     span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1,
                          config.block_n)
     sms = sm_count(q.device, interpreted)
+    # The short-context rules (fit_config) hold where they were measured: tuned bf16/fp16 configs
+    # at head dims <= 128. Their splits may be as short as one SHORT_BLOCK_N tile.
+    short_rules = (tuned and not interpreted and q.dtype != torch.float32
+                   and padded_head_dim(head_dim) <= 128)
     if num_splits == 0:
-        num_splits = pick_num_splits(programs, span, min(config.block_n, SHORT_BLOCK_N), sms,
-                                     interpreted, paged=block_table is not None)
-    if tuned and not interpreted and q.dtype != torch.float32:
+        num_splits = pick_num_splits(
+            programs, span, min(config.block_n, SHORT_BLOCK_N) if short_rules else config.block_n, sms,
+            interpreted, paged=block_table is not None,
+            min_split_tokens=MIN_SPLIT_TOKENS if short_rules else UNMEASURED_MIN_SPLIT_TOKENS)
+    if short_rules:
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms,
                             geometry.page_size, head_dim)
 
