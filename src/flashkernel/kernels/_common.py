@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -40,3 +42,25 @@ def next_power_of_2(n: int) -> int:
 def padded_head_dim(head_dim: int) -> int:
     """Tile width along head_dim: ``tl.arange`` needs a power of two (>= 16 for ``tl.dot``)."""
     return max(16, next_power_of_2(head_dim))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def cuda_properties(device: torch.device):
+    """``torch.cuda.get_device_properties`` of ``device``, cached per device index: the
+    launchers read SM counts, capability and shared memory on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_properties(index)
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and strides (the last dim contiguous)."""
+    for x in tensors:
+        if x.data_ptr() % 16:
+            return False
+        if any((stride * x.element_size()) % 16 for stride in x.stride()[:-1]):
+            return False
+    return True

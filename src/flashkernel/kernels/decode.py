@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
+from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
 from ._launch import Launcher
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .combine import combine
@@ -574,17 +574,11 @@ def _warps_for(config: DecodeConfig, block_m: int, head_dim: int) -> int:
     return config.num_warps if block_m * padded_head_dim(head_dim) <= 8192 else max(config.num_warps, 8)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def sm_count(device: torch.device, interpreted: bool) -> int:
     """Streaming multiprocessors of ``device`` (cached per device; a fixed count when interpreted)."""
     if interpreted or device.type != "cuda":
         return INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    return cuda_properties(device).multi_processor_count
 
 
 def attended_span(variant: Variant, capacity: int, seqlen_new: int, tile_tokens: int, block_n: int) -> int:

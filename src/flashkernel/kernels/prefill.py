@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from ._common import dot_flags, is_interpreted, padded_head_dim
+from ._common import cuda_properties, dot_flags, is_interpreted, padded_head_dim, tma_compatible
 from . import tuning
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .tuning import TileConfig
@@ -437,16 +437,6 @@ def _with_tma_scratch(launcher):
     return launch_with_scratch
 
 
-def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base addresses and strides (the last dim contiguous)."""
-    for x in tensors:
-        if x.data_ptr() % 16:
-            return False
-        if any((stride * x.element_size()) % 16 for stride in x.stride()[:-1]):
-            return False
-    return True
-
-
 def use_tma(q, k, v, out, interpreted: bool, seqlen_k: int | None = None) -> bool:
     """Stream tiles through TMA descriptors on Hopper when the tensors allow it and the key
     sequence (``seqlen_k``, default ``k.shape[1]``) is long enough to amortize building the
@@ -454,7 +444,7 @@ def use_tma(q, k, v, out, interpreted: bool, seqlen_k: int | None = None) -> boo
     seqlen_k = k.shape[1] if seqlen_k is None else seqlen_k
     if interpreted or q.dtype == torch.float32 or seqlen_k < TMA_MIN_SEQLEN_K:
         return False
-    return torch.cuda.get_device_capability(q.device)[0] >= 9 and tma_compatible(q, k, v, out)
+    return cuda_properties(q.device).major >= 9 and tma_compatible(q, k, v, out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._common import cuda_properties, tma_compatible
+
 LOG2E = math.log2(math.e)
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 NUM_CONSUMERS = 2
@@ -845,6 +847,8 @@ def _gluon_attention_kernel(
         mbarrier.arrive(fence_bar)
     bars = (q_ready, k_ready, k_empty, v_ready, v_empty)
 
+    # The argument lists are spelled out: Gluon 3.6's frontend neither binds a function into a
+    # tuple variable nor concatenates tuples that hold constexprs.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
@@ -884,16 +888,9 @@ def _gluon_attention_kernel(
 
 def _tma_ok(x: torch.Tensor) -> bool:
     """TMA: 16-byte aligned base and strides, last dim contiguous, no broadcast (stride-0) dims."""
-    if x.stride(-1) != 1 or x.data_ptr() % 16:
+    if x.stride(-1) != 1 or any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
         return False
-    if any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
-        return False
-    return all((s * x.element_size()) % 16 == 0 for s in x.stride()[:-1])
-
-
-def gluon_available() -> bool:
-    """A Hopper (sm_90) GPU is present: wgmma exists on sm_90a only (not on Blackwell)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return tma_compatible(x)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -902,7 +899,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    props = cuda_properties(q.device)
+    if (props.major, props.minor) != (9, 0):  # wgmma exists on sm_90a only
         return False
     if q.dtype not in TORCH_TO_GL or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
@@ -945,17 +943,11 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
     return grid, args, kwargs
 
 
-_NUM_SMS: dict = {}
-
-
 def num_sms(device) -> int:
     """Streaming multiprocessors of ``device`` (132 on an H200 when there is no GPU: compile only)."""
     if not isinstance(device, torch.device) or device.type != "cuda" or not torch.cuda.is_available():
         return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
+    return cuda_properties(device).multi_processor_count
 
 
 # Registers: 3 warpgroups share 64K, so the launch limit is 168 per thread (65536 / 384, rounded

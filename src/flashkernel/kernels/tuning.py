@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ._common import cuda_properties
+
 TABLE_FILE = Path(__file__).with_name("tuned") / "prefill.json"
 USER_FILE_ENV = "FLASHKERNEL_TUNING_FILE"
 AUTOTUNE_ENV = "FLASHKERNEL_AUTOTUNE"
@@ -94,17 +96,11 @@ def load_tables() -> dict:
     return tables
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple[str, str, int]:
-    props = torch.cuda.get_device_properties(index)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-    return props.name, f"sm_{props.major}{props.minor}", smem
-
-
 def device_facts(device: torch.device) -> tuple[str, str, int]:
     """``(name, "sm_XY", opt-in shared memory per block)`` of a CUDA device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_facts(index)
+    props = cuda_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return props.name, f"sm_{props.major}{props.minor}", smem
 
 
 def gpu_entry(name: str, arch: str) -> dict | None:
@@ -196,7 +192,7 @@ def save_autotuned(path: str | Path) -> None:
     device name; per head dim and load path, the last tuned class wins)."""
     gpus: dict = {}
     for (index, block_d, _dtype, tma, _causal), config in _AUTOTUNED.items():
-        name = _device_facts(index)[0]
+        name = device_facts(torch.device("cuda", index))[0]
         section = gpus.setdefault(name, {}).setdefault("triton_tma" if tma else "triton_pointer", {})
         section[str(block_d)] = [config.block_m, config.block_n, config.num_warps, config.num_stages]
     Path(path).write_text(json.dumps({"gpus": gpus}, indent=2) + "\n")
