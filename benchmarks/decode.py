@@ -299,7 +299,7 @@ def auto_splits(p: Problem, k_cache, block_table, config) -> int:
     row_tiles = triton.cdiv(group, decode.pick_block_m(group, HEAD_DIM))
     sms = decode.sm_count(p.q.device, interpreted=False)
     return decode.pick_num_splits(p.batch * KV_HEADS * row_tiles, geometry.capacity, config.block_n, sms, False,
-                                  paged=block_table is not None)
+                                  page_size=geometry.page_size)
 
 
 # ---- entry point ------------------------------------------------------------------------------

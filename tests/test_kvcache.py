@@ -278,8 +278,13 @@ def test_empty_inputs_return_without_launch(shape, monkeypatch):
 def test_auto_splits_depend_on_shapes_only():
     assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False) == 16
     assert decode.pick_num_splits(programs=64, capacity=131072, block_n=64, sms=132, interpreted=False) == 2
+    # Small pages: a second wave once each split still reads >= 512 keys; large pages as contiguous.
     assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False,
-                                  paged=True) == 33
+                                  page_size=16) == 33
+    assert decode.pick_num_splits(programs=8, capacity=4096, block_n=64, sms=132, interpreted=False,
+                                  page_size=16) == 16
+    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False,
+                                  page_size=256) == 16
     assert decode.pick_num_splits(programs=512, capacity=131072, block_n=64, sms=132, interpreted=False) == 1
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 8
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=128, sms=132, interpreted=False) == 4
@@ -299,7 +304,10 @@ def test_configs_fit_the_work_per_program():
     # B=64, 1k: four waves of 1k-key programs over a contiguous cache: three programs per SM.
     assert fit(table, tokens_per_program=1024, grid=512, page_size=0) == decode.MULTI_WAVE_CONFIG
     assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
-    assert fit(table, tokens_per_program=1024, grid=512, page_size=16) == table
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=256) == decode.MULTI_WAVE_CONFIG
+    # ... over small pages whatever the programs' length.
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=16) == decode.MULTI_WAVE_CONFIG
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=256) == table
     assert decode.fit_config(table, 64, 128, 132, 0, head_dim=256) == table
 
 

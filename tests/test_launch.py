@@ -44,6 +44,30 @@ def test_key_separates_what_triton_separates():
         assert _launch.launch_key([a]) != _launch.launch_key([b])
 
 
+def _descriptors():
+    gluon = pytest.importorskip("flashkernel.kernels.prefill_gluon")
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim in (64, 128):
+            base = torch.empty(2, 300, 4, head_dim + 8, dtype=dtype)
+            for x in (base[..., :head_dim], base[:, 1:, 1:3, 8:], base[:1, :17, :, :head_dim]):
+                for rows in (64, 128):
+                    yield gluon.make_descriptor(x, rows)
+
+
+def test_descriptor_keys_match_triton_specializations():
+    # Shapes, strides and base offsets vary under one key (they are encoded per launch); dtype,
+    # block shape and layout are what Triton specializes a descriptor on, and the key has them.
+    seen, specs = {}, {}
+    for desc in _descriptors():
+        ours = _launch.launch_key([desc])
+        triton_spec = native_specialize_impl(CUDABackend, desc, False, True, True)
+        seen.setdefault(ours, set()).add(triton_spec)
+        specs.setdefault(triton_spec, set()).add(ours)
+    assert all(len(s) == 1 for s in seen.values()), seen
+    assert all(len(s) == 1 for s in specs.values()), specs
+    assert len(seen) == 8  # 2 dtypes x 2 head dims x 2 block heights
+
+
 def test_interpreted_kernels_launch_through_triton(monkeypatch):
     calls = []
 

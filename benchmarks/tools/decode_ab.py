@@ -10,6 +10,9 @@
 3. Short contexts (1k): split counts and tile configs, graph-replayed.
 4. ``host-profile``: pieces of an eager step timed alone, and cProfile of the whole step.
 5. ``rules``: this build's split/tile rules against the previous ones (``OLD_RULES``), same run.
+6. ``paged``: contiguous and paged caches (pages of 16 and 256) at issue 4's batches and
+   contexts: this build's kernel under several paged tile tables (``PAGED_RULES``) and, with
+   ``--before-decode PATH`` (an earlier ``kernels/decode.py``), that build's kernel, same run.
 Shapes are issue 4's: bf16, 32 query heads, 8 KV heads, head dim 128, one new token.
 """
 
@@ -116,11 +119,19 @@ SPLIT_CASES = {  # --split-cases: (batch, context, layout, split counts)
               (64, 1024, "contiguous", (1, 2, 4)), (64, 1024, "paged16", (1, 2, 4))],
     "paged4k": [(1, 4096, "contiguous", (8, 16, 32, 64)), (1, 4096, "paged16", (8, 16, 32, 64)),
                 (1, 4096, "paged256", (8, 16, 32, 64)), (8, 4096, "paged16", (2, 4, 8))],
+    "paged-small": [(1, 1024, "paged16", (4, 8, 16, 32)), (1, 2048, "paged16", (8, 16, 32)),
+                    (1, 4096, "paged16", (8, 16, 32, 64)), (1, 8192, "paged16", (16, 32, 64)),
+                    (1, 32768, "paged16", (16, 32, 64)), (8, 4096, "paged16", (2, 4, 8)),
+                    (8, 32768, "paged16", (2, 4, 8)), (1, 1024, "paged256", (4, 8, 16))],
 }
+SPLIT_CONFIGS = {  # --split-cases -> tile configs swept (default: DEFAULT_SPLIT_CONFIGS)
+    "paged-small": [(64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3)],
+}
+DEFAULT_SPLIT_CONFIGS = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 4), (128, 4, 2), (64, 8, 3)]
 
 
 def split_section(rows, cases="short"):
-    configs = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 4), (128, 4, 2), (64, 8, 3)]
+    configs = SPLIT_CONFIGS.get(cases, DEFAULT_SPLIT_CONFIGS)
     for batch, context, layout, split_counts in SPLIT_CASES[cases]:
         p = Problem(batch, context, torch.bfloat16)
         k_cache, v_cache, block_table = p.layout(layout)
@@ -212,6 +223,7 @@ def rules_section(rows):
             for label, rules in (("old", OLD_RULES), ("new", new_rules)):
                 for name, value in rules.items():
                     setattr(decode, name, value)
+                decode.fit_config.cache_clear()  # it reads the rules
                 fn = step(p, k_cache, v_cache, block_table, append=False)
                 replay, captured = graph_replay(fn)
                 replay()
@@ -232,16 +244,75 @@ def rules_section(rows):
         setattr(decode, name, value)
 
 
+PAGED_RULES = {  # label -> decode module attributes set for the run (the rest as built)
+    "built": {},
+    "small-128x4x3": {"SMALL_PAGE_TABLE": decode.CONTIGUOUS_TABLE},
+    "small-one-wave": {"SMALL_PAGE_TWO_WAVE_TOKENS": 1 << 40},
+}
+RULE_NAMES = ("SMALL_PAGE_TABLE", "LARGE_PAGE_TABLE", "SMALL_PAGE_TWO_WAVE_TOKENS")
+PAGED_CASES = [(1, 1024), (1, 4096), (1, 32768), (1, 131072), (8, 1024), (8, 4096), (8, 32768), (8, 131072),
+               (64, 1024), (64, 4096)]
+
+
+def paged_section(rows, before_path=None):
+    """Graph-replayed GPU time per (case, layout) under each rule set of ``PAGED_RULES``."""
+    before = None
+    if before_path:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from plain_ptx import load_module
+        before = load_module(before_path, "_before_decode")
+    built = {name: getattr(decode, name) for name in RULE_NAMES}
+    for batch, context in PAGED_CASES:
+        p = Problem(batch, context, torch.bfloat16)
+        for layout in ("contiguous", "paged16", "paged256"):
+            k_cache, v_cache, block_table = p.layout(layout)
+            row = {"section": "paged", "batch": batch, "context": context, "layout": layout}
+            runs = [(label, decode, rules) for label, rules in PAGED_RULES.items()]
+            if layout == "contiguous":
+                runs = runs[:1]
+            elif layout == "paged256":
+                runs = [r for r in runs if not r[0].startswith("small")]
+            if before is not None:
+                runs.append(("before", before, {}))
+            for label, module, rules in runs:
+                for name, value in {**built, **rules}.items():
+                    setattr(decode, name, value)
+                decode.fit_config.cache_clear()  # it reads module constants
+                out = torch.empty_like(p.q)
+
+                def run(module=module, out=out):
+                    module.decode_forward(p.q, k_cache, v_cache, p.seqlens, block_table, out, None,
+                                          causal=True, softmax_scale=HEAD_DIM ** -0.5)
+                    return out
+                replay, captured = graph_replay(run)
+                replay()
+                torch.cuda.synchronize()
+                row[f"{label}_err"] = p.max_error(captured)
+                row[f"{label}_us"] = gpu_us(replay)
+            for name, value in built.items():
+                setattr(decode, name, value)
+            rows.append(row)
+            print("paged " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in row.items() if k != "section"), flush=True)
+            del k_cache, v_cache, block_table
+        del p
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["host", "gpu", "splits", "host-profile", "rules"])
     parser.add_argument("--split-cases", default="short", choices=list(SPLIT_CASES))
+    parser.add_argument("--before-decode", help="an earlier kernels/decode.py for the paged section's A/B")
     parser.add_argument("--out")
     args = parser.parse_args()
     rows = []
     for name in args.sections:
         if name == "splits":
             split_section(rows, args.split_cases)
+            continue
+        if name == "paged":
+            paged_section(rows, args.before_decode)
             continue
         {"host": host_section, "gpu": gpu_section, "host-profile": host_profile_section,
          "rules": rules_section}[name](rows)

@@ -1,40 +1,115 @@
-"""Where the host time of one eager decode step goes (cProfile over many calls).
+"""Where the host time of one eager call goes, and whether short prefill shapes are host-bound.
 
-    PYTHONPATH=src python benchmarks/tools/host_overhead.py
+    PYTHONPATH=src python benchmarks/tools/host_overhead.py [--workload decode|prefill|prefill-graph]
+
+``decode``: host time per eager decode step (B=1, 1k context) and a cProfile of many calls.
+``prefill``: the same for ``flash_attn_func`` at a tiny shape (the GPU is never the bottleneck),
+on the Gluon path and on the Triton path (``prefill.GLUON_ENABLED``).
+``prefill-graph``: issue 5's short shapes (16k tokens per batch, model dim 2048, bf16), GPU time
+of back-to-back eager calls (what the benchmark times) against graph replays of the same call,
+for flashkernel and cuDNN: where eager exceeds the replay, the host is the bottleneck.
 """
 
+import argparse
 import cProfile
 import pstats
 import time
 
 import torch
+import triton
 
 import flashkernel
+from flashkernel.kernels import prefill
 
 
-def main() -> None:
-    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k_cache = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    seqlens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
-    step = lambda: flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # noqa: E731
+def host_us(step, n=2000) -> float:
     for _ in range(50):
         step()
     torch.cuda.synchronize()
-    n = 2000
     t0 = time.perf_counter()
     for _ in range(n):
         step()
     host = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
-    print(f"host time per eager call: {host:.1f} us")
+    return host
+
+
+def profile(step, n=2000, lines=18) -> None:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
         step()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(lines)
+
+
+def decode_host() -> None:
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
+    step = lambda: flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # noqa: E731
+    print(f"decode: host time per eager call: {host_us(step):.1f} us")
+    profile(step)
+
+
+def prefill_host() -> None:
+    q = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    for causal in (False, True):
+        step = lambda: flashkernel.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+        for gluon in (True, False):
+            prefill.GLUON_ENABLED = gluon
+            print(f"prefill causal={causal} gluon={gluon}: host time per eager call: {host_us(step):.1f} us",
+                  flush=True)
+    prefill.GLUON_ENABLED = True
+    profile(lambda: flashkernel.flash_attn_func(q, k, v, causal=True), lines=25)
+
+
+def graph_us(fn) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=50, rep=200, return_mode="median") * 1e3
+
+
+def prefill_graph() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for head_dim in (64, 128, 256):
+        heads = 2048 // head_dim
+        for seqlen in (512, 1024, 2048):
+            batch = 16384 // seqlen
+            q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            for causal in (False, True):
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+                fk = lambda: flashkernel.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                cells = []
+                for name, fn in (("flashkernel", fk), ("cudnn", cudnn)):
+                    eager = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e3
+                    replay = graph_us(fn)
+                    cells.append(f"{name} eager {eager:6.1f} us graph {replay:6.1f} us "
+                                 f"({flops / replay / 1e6:5.0f} TFLOP/s)")
+                print(f"d{head_dim} {'causal' if causal else 'full  '} {seqlen:5d}: " + " | ".join(cells),
+                      flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="decode", choices=("decode", "prefill", "prefill-graph"))
+    args = parser.parse_args()
+    {"decode": decode_host, "prefill": prefill_host, "prefill-graph": prefill_graph}[args.workload]()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ kernel that is a large part of an eager decode step's host time (docs/perf-notes
 in one pass, and launches later calls with that key through the compiled kernel directly.
 
 The key is every argument's value, except tensors, which contribute their dtype and whether
-their address is 16-byte aligned; plus the launch options (``num_warps``, ``num_stages``, any
+their address is 16-byte aligned, and TMA descriptors, which contribute their dtype, block shape,
+layout and padding; plus the launch options (``num_warps``, ``num_stages``, any
 other compile option passed by name), Triton's debug and instrumentation knobs, and the device.
 Not re-checked on the fast path: Triton's ``pre_run_hooks`` and its test that globals read by
 the kernel kept their values (our kernels read none). Whatever Triton
@@ -39,6 +40,11 @@ MAX_KEYS = 4096
 def _non_int_key(value):
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
+    if hasattr(value, "block_shape") and hasattr(value, "base"):
+        # A host TMA descriptor: Triton specializes on its dtype, block shape and layout; its
+        # shape and strides are encoded into the tensor map at every launch.
+        return (type(value), value.base.dtype, tuple(value.block_shape), getattr(value, "layout", None),
+                getattr(value, "padding", None))
     return type(value), value  # floats, bools, None, strings: 1.0, True and 1 stay apart
 
 

@@ -75,18 +75,19 @@ CONTIGUOUS_TABLE = {
     128: DecodeConfig(128, 4, 3),
     256: DecodeConfig(32, 4, 3),
 }
-# Pages shorter than a tile look a page up per row: shallower pipelines and long tiles win there;
-# pages of at least a tile prefer 64-row tiles, 4 stages deep.
-SMALL_PAGE_TABLE = {**CONTIGUOUS_TABLE, 128: DecodeConfig(128, 4, 2)}
-LARGE_PAGE_TABLE = {**CONTIGUOUS_TABLE, 128: DecodeConfig(64, 4, 4)}
-LARGE_PAGE = 64
+# Paged caches. Pages of at least LARGE_PAGE keys hold whole tiles of the contiguous table: one
+# look-up per tile, read like the contiguous cache, with its tiles and split rule. Smaller pages
+# look a page up per key and take 64-key tiles (the table's 128-key tiles with two buffers lose
+# 3-20%). Measured at B = 1, 8, 64 on the H200: docs/perf-notes.md "Paged decode".
+LARGE_PAGE = 128
+LARGE_PAGE_TABLE = CONTIGUOUS_TABLE
+SMALL_PAGE_TABLE = {**CONTIGUOUS_TABLE, 128: DecodeConfig(64, 4, 3)}
 INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
 
-# Auto splits aim for this many programs per SM: one wave for a contiguous cache, two for a paged
-# one (its per-page address lookups hide better with more programs in flight). Measured at B = 1,
-# 8, 64 on the H200: docs/perf-notes.md.
-WAVES_CONTIGUOUS = 1
-WAVES_PAGED = 2
+# Auto splits aim for one program per SM; over small pages, two once each split still reads at
+# least SMALL_PAGE_TWO_WAVE_TOKENS keys (more look-ups and loads in flight per SM: B=1, 32k, 33
+# splits 51.7 us against 16 splits 54.5; B=1, 4k, 16 splits 17.9 us against 32 splits 18.6).
+SMALL_PAGE_TWO_WAVE_TOKENS = 512
 MIN_SPLIT_TOKENS = 64  # auto splits give each split at least this much of the capacity
 # ... where the short-context rules below were measured (bf16/fp16, head dim <= 128); elsewhere
 # the earlier floor stays.
@@ -96,7 +97,8 @@ UNMEASURED_MIN_SPLIT_TOKENS = 256
 # 64-key tile, 12.0 us, against 4 splits of 128-key tiles, 13.4 us); a contiguous-cache grid of
 # more than one wave whose programs read at most MULTI_WAVE_MAX_TOKENS keys uses the small
 # MULTI_WAVE_CONFIG, 64 KB of shared memory, so three programs share an SM and one's start
-# hides another's end (B=64, 1k: 77.7 us against 82.6).
+# hides another's end (B=64, 1k: 77.7 us against 82.6). So does a paged one; over small pages
+# whatever the programs' length (B=64, 4k, pages of 16: 256.6 us against 299.0).
 SHORT_SPLIT_TOKENS = 128
 SHORT_BLOCK_N = 64
 MULTI_WAVE_MAX_TOKENS = 2048
@@ -110,6 +112,27 @@ APPEND_TILE_ELEMENTS = 4096
 # --------------------------------------------------------------------------------------------
 # Device code
 # --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_page_index(ptrs):
+    """``int32`` block-table entries at ``ptrs`` (a scalar or a tensor of pointers).
+
+    On the GPU this is one ``ld.global.nc`` per entry in inline PTX, which Triton's software
+    pipeliner does not see. With ``tl.load`` it sees an index load feeding the K/V addresses and
+    gives the K/V loads a single shared-memory buffer (Triton 3.6, every paged configuration):
+    one tile in flight per program instead of ``num_stages - 1``. As an opaque instruction the
+    look-up runs in the pipeline's first stage, a few tiles ahead of its use, and the K/V loads
+    keep their buffers. The table is not written while a decode kernel runs (``.nc`` is safe).
+    """
+    if _PTX_INDEX_LOADS:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs)
+
+
+_PTX_INDEX_LOADS = tl.constexpr(not is_interpreted(_load_page_index))  # no PTX in the interpreter
 
 
 @triton.jit
@@ -127,11 +150,13 @@ def _cache_rows(
         slot = keys.to(tl.int64)
     else:
         if PAGE_SIZE >= BLOCK_N:
-            block = tl.load(bt_row + (start_n // PAGE_SIZE) * stride_btn)
+            block = _load_page_index(bt_row + (start_n // PAGE_SIZE) * stride_btn)
         elif MASKED:
-            block = tl.load(bt_row + (keys // PAGE_SIZE) * stride_btn, mask=keys < length, other=0)
+            # Keys past the end read the last key's entry (inside the table) and are masked later.
+            last = tl.maximum(length - 1, 0)
+            block = _load_page_index(bt_row + (tl.minimum(keys, last) // PAGE_SIZE) * stride_btn)
         else:
-            block = tl.load(bt_row + (keys // PAGE_SIZE) * stride_btn)
+            block = _load_page_index(bt_row + (keys // PAGE_SIZE) * stride_btn)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
         slot = (keys % PAGE_SIZE).to(tl.int64)
     return block, slot
@@ -553,11 +578,12 @@ def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size:
 def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: int, page_size: int,
                head_dim: int) -> DecodeConfig:
     """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
-    the ones measured): short splits get short tiles, multi-wave grids of short programs over a
-    contiguous cache get a config that fits three programs per SM."""
+    the ones measured): short splits get short tiles, multi-wave grids of short programs (any
+    length over small pages) get a config that fits three programs per SM."""
     if padded_head_dim(head_dim) > 128:
         return config
-    if page_size == 0 and grid > sms and tokens_per_program <= MULTI_WAVE_MAX_TOKENS:
+    small_pages = 0 < page_size < LARGE_PAGE
+    if grid > sms and (tokens_per_program <= MULTI_WAVE_MAX_TOKENS or small_pages):
         return MULTI_WAVE_CONFIG
     if tokens_per_program <= SHORT_SPLIT_TOKENS and config.block_n > SHORT_BLOCK_N:
         return dataclasses.replace(config, block_n=SHORT_BLOCK_N)
@@ -591,14 +617,22 @@ def attended_span(variant: Variant, capacity: int, seqlen_new: int, tile_tokens:
     return min(capacity, left + min(tile_tokens, seqlen_new) + right + block_n)
 
 
+def waves_for(page_size: int, programs: int, capacity: int, sms: int) -> int:
+    """Programs per SM the automatic split count aims for (``page_size`` 0: contiguous)."""
+    if page_size == 0 or page_size >= LARGE_PAGE:
+        return 1
+    two_wave_splits = max(1, (2 * sms) // max(programs, 1))
+    return 2 if capacity // two_wave_splits >= SMALL_PAGE_TWO_WAVE_TOKENS else 1
+
+
 def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool,
-                    paged: bool = False, min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
+                    page_size: int = 0, min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """Splits for ``programs`` (batch x kv heads x row tiles) programs: a wave or two per SM.
 
     Depends on shapes only (no look at the lengths, so no host sync). Each split gets at least
     ``min_split_tokens`` (one tile when interpreted) of the capacity.
     """
-    waves = WAVES_PAGED if paged else WAVES_CONTIGUOUS
+    waves = waves_for(page_size, programs, capacity, sms)
     # Round down: one program past a whole wave costs a second, nearly empty wave (a decode
     # program holds a whole SM's shared memory). B=1, 131k: 17 splits x 8 = 136 programs on 132
     # SMs ran at 2.75 TB/s, 16 splits at 3.92.
@@ -719,7 +753,7 @@ def decode_forward(
     if num_splits == 0:
         num_splits = pick_num_splits(
             programs, span, min(config.block_n, SHORT_BLOCK_N) if short_rules else config.block_n, sms,
-            interpreted, paged=block_table is not None,
+            interpreted, page_size=geometry.page_size,
             min_split_tokens=MIN_SPLIT_TOKENS if short_rules else UNMEASURED_MIN_SPLIT_TOKENS)
     if short_rules:
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms,

@@ -472,7 +472,17 @@ def gluon_config(head_dim: int, causal: bool, seqlen_k: int, device: torch.devic
     """The Gluon kernel's configuration for one call: the first matching rule of the device's
     table (``kernels/tuned/prefill.json``; the kernel's default config when none matches)."""
     name, arch, _ = tuning.device_facts(device or torch.device("cuda"))
-    return gluon_config_from(tuning.gluon_rule(name, arch, head_dim, causal, seqlen_k), head_dim)
+    rule = tuning.gluon_rule(name, arch, head_dim, causal, seqlen_k)
+    # Built once per rule (a few us of host time per call otherwise); keyed by the rule object,
+    # which lives as long as the loaded tables.
+    key = (id(rule), head_dim)
+    cached = _GLUON_CONFIGS.get(key)
+    if cached is None or cached[0] is not rule:
+        cached = _GLUON_CONFIGS[key] = (rule, gluon_config_from(rule, head_dim))
+    return cached[1]
+
+
+_GLUON_CONFIGS: dict[tuple[int, int], tuple] = {}
 
 
 def gluon_config_from(rule: dict | None, head_dim: int):
@@ -502,7 +512,7 @@ def use_gluon(q, k, v, out, interpreted: bool) -> bool:
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
     gluon = _gluon_module()
-    return gluon is not None and gluon.supported(q, k, v) and tma_compatible(out)
+    return gluon is not None and gluon.supported(q, k, v) and gluon.output_ok(q, out)
 
 
 def _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k, autotune_launch=None, causal=False):
@@ -563,16 +573,22 @@ def attention_forward(
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     if backend not in (None, "triton", "gluon"):
         raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
-    if backend is None:
-        automatic = variant.is_plain and config is None and force_tma is None
-        backend = "gluon" if automatic and use_gluon(q, k, v, out, interpreted) else "triton"
+    automatic = backend is None
+    if automatic:
+        automatic = variant.is_plain and config is None and force_tma is None and use_gluon(
+            q, k, v, out, interpreted)
+        backend = "gluon" if automatic else "triton"
     if backend == "gluon":
         if not variant.is_plain:
             raise ValueError("the Gluon prefill kernel runs plain attention only (no window, softcap, "
                              "ALiBi or sinks)")
-        _gluon_module().gluon_attention_forward(q, k, v, out, lse, causal=variant.causal,
-                                                softmax_scale=softmax_scale,
-                                                config=gluon_config(head_dim, variant.causal, seqlen_k, q.device))
+        gluon = _gluon_module()
+        config = gluon_config(head_dim, variant.causal, seqlen_k, q.device)
+        if automatic:  # use_gluon checked the inputs
+            gluon.launch(q, k, v, out, lse, causal=variant.causal, softmax_scale=softmax_scale, config=config)
+        else:
+            gluon.gluon_attention_forward(q, k, v, out, lse, causal=variant.causal, softmax_scale=softmax_scale,
+                                          config=config)
         return None
 
     def launch(config: TileConfig, tma: bool):

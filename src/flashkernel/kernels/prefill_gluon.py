@@ -93,6 +93,7 @@ call encodes four ``CUtensorMap`` on the host).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -109,6 +110,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cuda_properties, tma_compatible
+from ._launch import Launcher
 
 LOG2E = math.log2(math.e)
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
@@ -914,11 +916,22 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return all(_tma_ok(x) for x in (q, k, v))
 
 
+def output_ok(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` can take the kernel's output for ``q`` (same shape and dtype, TMA-ready)."""
+    return out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and _tma_ok(out)
+
+
 def make_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """Rank-4 TMA descriptor over ``x [B, S, H, D]`` with box ``[1, rows, 1, D]``."""
     block = [1, rows, 1, x.shape[3]]
-    layout = tile_layout(rows, x.shape[3], TORCH_TO_GL[x.dtype])
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, _host_tile_layout(rows, x.shape[3], x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _host_tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    """:func:`tile_layout` for the host's descriptors, cached (building one costs ~9 us, and a
+    call makes four)."""
+    return tile_layout(rows, head_dim, TORCH_TO_GL[dtype])
 
 
 def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: GluonConfig):
@@ -938,8 +951,7 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
                   CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
                   PERSISTENT=config.persistent, NUM_CONSUMERS=config.num_consumers,
                   SEPARATE_O=o_separate(head_dim, config))
-    if config.wg_tiles:  # only then: the other specializations keep their old cache keys
-        kwargs["WG_TILES"] = True
+    kwargs["WG_TILES"] = config.wg_tiles
     return grid, args, kwargs
 
 
@@ -975,13 +987,21 @@ def gluon_attention_forward(q, k, v, out, lse, *, causal: bool, softmax_scale: f
         config: tile shape and overlap switches (default: ``CONFIGS[D]``; ``PERSISTENT_CONFIGS[D]``
             and ``D64_3WG`` are the persistent and 3-warpgroup variants).
     """
-    if not supported(q, k, v) or out.shape != q.shape or out.dtype != q.dtype or not _tma_ok(out):
+    if not supported(q, k, v) or not output_ok(q, out):
         raise ValueError("inputs not supported by the Gluon prefill kernel (see prefill_gluon.supported)")
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (q.shape[0], q.shape[2], q.shape[1])):
         raise ValueError(f"lse must be float32 [B, Hq, Sq], got {lse.dtype} {tuple(lse.shape)}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
-    config = config or CONFIGS[q.shape[-1]]
+    launch(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, config=config or CONFIGS[q.shape[-1]])
+
+
+def launch(q, k, v, out, lse, *, causal: bool, softmax_scale: float, config: GluonConfig) -> None:
+    """:func:`gluon_attention_forward` without its checks, for callers that made them
+    (``prefill.attention_forward``: validated inputs, :func:`supported` and ``out`` TMA-ready)."""
     grid, args, kwargs = launch_args(q, k, v, out, lse, causal, softmax_scale, config)
     with torch.cuda.device(q.device):
-        _gluon_attention_kernel[grid](*args, **kwargs, num_warps=4, maxnreg=maxnreg_for(config))
+        _launch_kernel(grid, *args, **kwargs, num_warps=4, maxnreg=maxnreg_for(config))
+
+
+_launch_kernel = Launcher(_gluon_attention_kernel)
