@@ -118,8 +118,8 @@ def test_gluon_reads_and_writes_only_its_rows_gpu():
 def test_flash_attn_func_uses_gluon_at_head_dim_128_gpu(causal, monkeypatch):
     calls = []
     gluon = prefill._gluon_module()
-    original = gluon.gluon_attention_forward
-    monkeypatch.setattr(gluon, "gluon_attention_forward", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    original = gluon.launch  # every Gluon launch goes through it
+    monkeypatch.setattr(gluon, "launch", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
     q, k, v = random_qkv(1, 300, 300, 4, 4, 128, torch.bfloat16)
     out = flashkernel.flash_attn_func(q, k, v, causal=causal)
     assert len(calls) == 1
