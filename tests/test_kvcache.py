@@ -308,6 +308,8 @@ def test_configs_fit_the_work_per_program():
     # ... over small pages whatever the programs' length.
     assert fit(table, tokens_per_program=4096, grid=512, page_size=16) == decode.MULTI_WAVE_CONFIG
     assert fit(table, tokens_per_program=4096, grid=512, page_size=256) == table
+    # Two planned waves over small pages (B=8, 32k: 4 splits) are not a multi-wave grid.
+    assert fit(table, tokens_per_program=8192, grid=256, page_size=16, waves=2) == table
     assert decode.fit_config(table, 64, 128, 132, 0, head_dim=256) == table
 
 

@@ -576,14 +576,15 @@ def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size:
 
 @functools.lru_cache(maxsize=1024)
 def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: int, page_size: int,
-               head_dim: int) -> DecodeConfig:
+               head_dim: int, waves: int = 1) -> DecodeConfig:
     """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
-    the ones measured): short splits get short tiles, multi-wave grids of short programs (any
-    length over small pages) get a config that fits three programs per SM."""
+    the ones measured): short splits get short tiles; grids of more than the planned ``waves``
+    of programs (the batch alone fills the GPU) get, when the programs are short (or the pages
+    small), a config that fits three programs per SM."""
     if padded_head_dim(head_dim) > 128:
         return config
     small_pages = 0 < page_size < LARGE_PAGE
-    if grid > sms and (tokens_per_program <= MULTI_WAVE_MAX_TOKENS or small_pages):
+    if grid > waves * sms and (tokens_per_program <= MULTI_WAVE_MAX_TOKENS or small_pages):
         return MULTI_WAVE_CONFIG
     if tokens_per_program <= SHORT_SPLIT_TOKENS and config.block_n > SHORT_BLOCK_N:
         return dataclasses.replace(config, block_n=SHORT_BLOCK_N)
@@ -757,7 +758,7 @@ def decode_forward(
             min_split_tokens=MIN_SPLIT_TOKENS if short_rules else UNMEASURED_MIN_SPLIT_TOKENS)
     if short_rules:
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms,
-                            geometry.page_size, head_dim)
+                            geometry.page_size, head_dim, waves_for(geometry.page_size, programs, span, sms))
 
     if num_splits == 1:
         target, target_lse = out, lse
