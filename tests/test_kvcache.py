@@ -299,6 +299,9 @@ def test_configs_fit_the_work_per_program():
     fit = functools.partial(decode.fit_config, sms=132, head_dim=128)
     # B=1, 1k: 16 splits of 64 keys run 64-key tiles.
     assert fit(table, tokens_per_program=64, grid=128, page_size=0).block_n == 64
+    # B=1, 4k: 16 splits of 256 keys too; B=8, 4k (4 splits of 1024) keeps 128-key tiles.
+    assert fit(table, tokens_per_program=256, grid=128, page_size=0).block_n == 64
+    assert fit(table, tokens_per_program=1024, grid=128, page_size=0) == table
     # B=8, 32k: long splits keep the table's tiles.
     assert fit(table, tokens_per_program=16384, grid=128, page_size=0) == table
     # B=64, 1k: four waves of 1k-key programs over a contiguous cache: three programs per SM.

@@ -123,9 +123,13 @@ SPLIT_CASES = {  # --split-cases: (batch, context, layout, split counts)
                     (1, 4096, "paged16", (8, 16, 32, 64)), (1, 8192, "paged16", (16, 32, 64)),
                     (1, 32768, "paged16", (16, 32, 64)), (8, 4096, "paged16", (2, 4, 8)),
                     (8, 32768, "paged16", (2, 4, 8)), (1, 1024, "paged256", (4, 8, 16))],
+    "cudnn-close": [(64, 1024, "contiguous", (1,)), (64, 4096, "contiguous", (1, 2)),
+                    (8, 131072, "contiguous", (2, 4, 8)), (1, 4096, "contiguous", (8, 16, 32))],
 }
 SPLIT_CONFIGS = {  # --split-cases -> tile configs swept (default: DEFAULT_SPLIT_CONFIGS)
     "paged-small": [(64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3)],
+    "cudnn-close": [(128, 4, 3), (64, 4, 3), (64, 4, 4), (32, 4, 4), (32, 4, 3), (64, 8, 3), (128, 8, 3),
+                    (128, 4, 2), (32, 4, 5), (64, 4, 5)],
 }
 DEFAULT_SPLIT_CONFIGS = [(128, 4, 3), (64, 4, 3), (64, 4, 2), (32, 4, 4), (128, 4, 2), (64, 8, 3)]
 

@@ -94,12 +94,13 @@ MIN_SPLIT_TOKENS = 64  # auto splits give each split at least this much of the c
 UNMEASURED_MIN_SPLIT_TOKENS = 256
 # Short work per program (measured at 1k contexts, docs/perf-notes.md "Short contexts"): splits
 # of at most SHORT_SPLIT_TOKENS keys use SHORT_BLOCK_N-key tiles (B=1, 1k: 16 splits of one
-# 64-key tile, 12.0 us, against 4 splits of 128-key tiles, 13.4 us); a contiguous-cache grid of
+# 64-key tile, 12.0 us, against 4 splits of 128-key tiles, 13.4 us; B=1, 4k: 16 splits of
+# 256 keys in 64-key tiles 16.6 us, in 128-key tiles 17.4); a contiguous-cache grid of
 # more than one wave whose programs read at most MULTI_WAVE_MAX_TOKENS keys uses the small
 # MULTI_WAVE_CONFIG, 64 KB of shared memory, so three programs share an SM and one's start
 # hides another's end (B=64, 1k: 77.7 us against 82.6). So does a paged one; over small pages
 # whatever the programs' length (B=64, 4k, pages of 16: 256.6 us against 299.0).
-SHORT_SPLIT_TOKENS = 128
+SHORT_SPLIT_TOKENS = 256
 SHORT_BLOCK_N = 64
 MULTI_WAVE_MAX_TOKENS = 2048
 MULTI_WAVE_CONFIG = DecodeConfig(32, 4, 4)
