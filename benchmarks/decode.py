@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkernel
 from flashkernel import reference
+from flashkernel.bench.results import git_commit
 from flashkernel.kernels import decode
 
 BATCHES = (1, 8, 64)
@@ -307,10 +308,7 @@ def auto_splits(p: Problem, k_cache, block_table, config) -> int:
 
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit(Path(__file__).parent)
     return {
         "gpu": props.name, "sm_count": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -25,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkernel
 from flashkernel import reference
+from flashkernel.bench.results import git_commit
 from flashkernel.kernels import prefill
 
 SEQLENS = (1024, 4096, 16384)
@@ -230,12 +230,7 @@ def markdown_table(path: str) -> str:
 
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    if len(commit) != 40:  # the GPU machine gets a copy without .git: the caller passes the commit
-        commit = os.environ.get("FLASHKERNEL_GIT_COMMIT", "unknown")
+    commit = git_commit(Path(__file__).parent) or "unknown"
     return {
         "gpu": props.name, "sm_count": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,

@@ -169,9 +169,12 @@ def test_info_lines():
     assert math.isclose(141.0, float(re.search(r"memory: ([\d.]+) GiB", gpu).group(1)))
 
 
-def test_git_commit_falls_back_to_environment(tmp_path, monkeypatch):
-    """A tree copied without .git (the lent GPU machine) reports the commit the caller passes."""
+def test_git_commit_from_environment_wins(tmp_path, monkeypatch):
+    """The commit the caller passes is reported, with or without a (possibly stale) .git."""
+    from pathlib import Path
+
     monkeypatch.setenv("FLASHKERNEL_GIT_COMMIT", "0123abcd")
     assert results.git_commit(tmp_path) == "0123abcd"
+    assert results.git_commit(Path(__file__).parent) == "0123abcd"
     monkeypatch.delenv("FLASHKERNEL_GIT_COMMIT")
     assert results.git_commit(tmp_path) == ""

@@ -40,13 +40,16 @@ STATUS_MARK = {"wrong": "WRONG", "error": "error", "oom": "OOM"}
 def git_commit(path: Path) -> str:
     """``HEAD``'s hash of the checkout holding ``path`` (with ``+dirty`` when modified).
 
-    A copy of the tree without ``.git`` (as on a lent GPU machine) reports the
-    ``FLASHKERNEL_GIT_COMMIT`` environment variable, which the caller sets; else ''.
+    ``FLASHKERNEL_GIT_COMMIT``, when set, wins: the caller knows what it copied (a lent GPU
+    machine's copy of the tree may carry no ``.git``, or a stale one, which reported the
+    session's first commit for later runs). Without it and without git: ''.
     """
     def git(*args):
         return subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, timeout=10)
 
     fallback = os.environ.get("FLASHKERNEL_GIT_COMMIT", "")
+    if fallback:
+        return fallback
     try:
         head = git("rev-parse", "HEAD")
         if head.returncode != 0:

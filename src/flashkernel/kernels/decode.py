@@ -19,7 +19,8 @@ Cache layouts (``PAGE_SIZE`` constexpr): contiguous ``[B, S_max, Hkv, D]`` (``PA
 or paged ``[num_blocks, page_size, Hkv, D]`` with ``block_table [B, max_blocks]`` int32: key
 ``j`` of sequence ``b`` lives in block ``block_table[b, j // page_size]`` at slot
 ``j % page_size``. Pages at least one tile long are looked up once per tile; smaller pages are
-gathered row by row. All cache offsets are int64.
+gathered row by row. The look-ups are inline PTX so that Triton's software pipeliner keeps the
+K/V loads multi-buffered (:func:`_load_page_index`). All cache offsets are int64.
 
 Causal masking among the new tokens is aligned bottom-right: with ``L = cache_seqlens[b] + T``
 (``+ 0`` when nothing is appended), new token ``t`` sees keys ``j <= L - T + t``.
