@@ -210,6 +210,9 @@ def host_profile_section(rows):
     print(text.getvalue(), flush=True)
 
 
+# The earlier build's short-context rules, for the contiguous cache (paged layouts have had other
+# rules since: LARGE_PAGE, the small-page waves and multi-wave clause; the "old" column of a paged
+# row is not that build's).
 OLD_RULES = dict(MIN_SPLIT_TOKENS=256, SHORT_SPLIT_TOKENS=0, MULTI_WAVE_MAX_TOKENS=0)
 
 

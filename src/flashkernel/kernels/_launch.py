@@ -11,7 +11,8 @@ their address is 16-byte aligned, and TMA descriptors, which contribute their dt
 layout and padding; plus the launch options (``num_warps``, ``num_stages``, any
 other compile option passed by name), Triton's debug and instrumentation knobs, and the device.
 Not re-checked on the fast path: Triton's ``pre_run_hooks`` and its test that globals read by
-the kernel kept their values (our kernels read none). Whatever Triton
+the kernel kept their values (ours read only constants fixed at import, such as
+``decode._PTX_INDEX_LOADS``). Whatever Triton
 specializes on (constexpr values, integers' ``== 1``, ``% 16`` and width, tensors' dtype and
 alignment) is therefore a function of the key, so one key never needs two compiled kernels.
 Integers are keyed by value, more finely than Triton needs: a new stride or batch size costs one

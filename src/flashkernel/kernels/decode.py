@@ -126,6 +126,9 @@ def _load_page_index(ptrs):
     one tile in flight per program instead of ``num_stages - 1``. As an opaque instruction the
     look-up runs in the pipeline's first stage, a few tiles ahead of its use, and the K/V loads
     keep their buffers. The table is not written while a decode kernel runs (``.nc`` is safe).
+
+    Being pure, it is also run unguarded for pipelined iterations that never happen (tiles past
+    a split's end): callers must pass addresses inside the table whatever the key.
     """
     if _PTX_INDEX_LOADS:
         return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
@@ -140,7 +143,7 @@ _PTX_INDEX_LOADS = tl.constexpr(not is_interpreted(_load_page_index))  # no PTX 
 @triton.jit
 def _cache_rows(
     bt_row, stride_btn, batch, start_n, keys, length, num_blocks,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Block and slot of each key of the tile at ``start_n``: key j is at ``cache[block, slot]``.
 
@@ -151,14 +154,13 @@ def _cache_rows(
         block = batch
         slot = keys.to(tl.int64)
     else:
+        # Keys are clamped to the last one (column <= capacity / PAGE_SIZE - 1): keys past the end
+        # are masked later, and the pipeliner runs look-ups of tiles past the split's end too.
+        last = tl.maximum(length - 1, 0)
         if PAGE_SIZE >= BLOCK_N:
-            block = _load_page_index(bt_row + (start_n // PAGE_SIZE) * stride_btn)
-        elif MASKED:
-            # Keys past the end read the last key's entry (inside the table) and are masked later.
-            last = tl.maximum(length - 1, 0)
-            block = _load_page_index(bt_row + (tl.minimum(keys, last) // PAGE_SIZE) * stride_btn)
+            block = _load_page_index(bt_row + (tl.minimum(start_n, last) // PAGE_SIZE) * stride_btn)
         else:
-            block = _load_page_index(bt_row + (keys // PAGE_SIZE) * stride_btn)
+            block = _load_page_index(bt_row + (tl.minimum(keys, last) // PAGE_SIZE) * stride_btn)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
         slot = (keys % PAGE_SIZE).to(tl.int64)
     return block, slot
@@ -183,7 +185,7 @@ def _attend_cache_tile(
     """
     keys = start_n + offs_n
     block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks,
-                              PAGE_SIZE, BLOCK_N, MASKED)
+                              PAGE_SIZE, BLOCK_N)
     k_ptrs = K + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
     v_ptrs = V + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
     if MASKED:
