@@ -314,15 +314,12 @@ def main() -> int:
     parser.add_argument("--out")
     args = parser.parse_args()
     rows = []
+    sections = {"host": host_section, "gpu": gpu_section, "host-profile": host_profile_section,
+                "rules": rules_section,
+                "splits": lambda rows: split_section(rows, args.split_cases),
+                "paged": lambda rows: paged_section(rows, args.before_decode)}
     for name in args.sections:
-        if name == "splits":
-            split_section(rows, args.split_cases)
-            continue
-        if name == "paged":
-            paged_section(rows, args.before_decode)
-            continue
-        {"host": host_section, "gpu": gpu_section, "host-profile": host_profile_section,
-         "rules": rules_section}[name](rows)
+        sections[name](rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": environment(), "rows": rows}, f, indent=1)

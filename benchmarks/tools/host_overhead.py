@@ -12,8 +12,9 @@ for flashkernel and cuDNN: where eager exceeds the replay, the host is the bottl
 
 import argparse
 import cProfile
+import os
 import pstats
-import time
+import sys
 
 import torch
 import triton
@@ -21,17 +22,9 @@ import triton
 import flashkernel
 from flashkernel.kernels import prefill
 
-
-def host_us(step, n=2000) -> float:
-    for _ in range(50):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_ab import host_us  # noqa: E402  (it puts benchmarks/ on the path)
+from decode import graph_replay  # noqa: E402  (benchmarks/decode.py)
 
 
 def profile(step, n=2000, lines=18) -> None:
@@ -68,15 +61,9 @@ def prefill_host() -> None:
 
 
 def graph_us(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=50, rep=200, return_mode="median") * 1e3
+    """Median GPU time of graph replays of ``fn``."""
+    replay, _ = graph_replay(fn)
+    return triton.testing.do_bench(replay, warmup=50, rep=200, return_mode="median") * 1e3
 
 
 def prefill_graph() -> None:

@@ -573,10 +573,9 @@ def attention_forward(
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     if backend not in (None, "triton", "gluon"):
         raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
-    automatic = backend is None
-    if automatic:
-        automatic = variant.is_plain and config is None and force_tma is None and use_gluon(
-            q, k, v, out, interpreted)
+    automatic = (backend is None and variant.is_plain and config is None and force_tma is None
+                 and use_gluon(q, k, v, out, interpreted))
+    if backend is None:
         backend = "gluon" if automatic else "triton"
     if backend == "gluon":
         if not variant.is_plain:
