@@ -13,6 +13,10 @@
 6. ``paged``: contiguous and paged caches (pages of 16 and 256) at issue 4's batches and
    contexts: this build's kernel under several paged tile tables (``PAGED_RULES``) and, with
    ``--before-decode PATH`` (an earlier ``kernels/decode.py``), that build's kernel, same run.
+7. ``flush``: graph-replayed steps after ``do_bench``'s flush (it writes 256 MB) and after a
+   flush that reads, for flashkernel and cuDNN: the cost of writing back dirty L2 lines.
+8. ``timeline``: a graph-replayed step's kernels (decode, combine) and the gap between them,
+   from CUPTI, beside do_bench's figure and the timing floor (graphs of trivial kernels).
 Shapes are issue 4's: bf16, 32 query heads, 8 KV heads, head dim 128, one new token.
 """
 
@@ -306,6 +310,87 @@ def paged_section(rows, before_path=None):
         torch.cuda.empty_cache()
 
 
+FLUSH_BYTES = 256 << 20  # twice and more the H200's 50 MB L2, like do_bench's flush buffer
+
+
+def clean_flush_us(fn, flush: torch.Tensor, reps: int = 100) -> float:
+    """Median GPU time of ``fn`` after a flush that READS ``flush`` (the L2 ends up holding
+    clean lines). ``do_bench`` zeroes its buffer instead, so the timed call starts with ~50 MB
+    of dirty lines to write back while it reads; a decode step in a model follows kernels that
+    mostly read (weights) and write little."""
+    sink = torch.empty((), dtype=flush.dtype, device=flush.device)
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.sum(flush, dim=0, out=sink)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in times)[reps // 2] * 1e3
+
+
+def flush_section(rows):
+    """Graph-replayed steps timed after do_bench's writing flush and after a reading one,
+    flashkernel and cuDNN (eager and graph-replayed) alike: how much of a short step's time
+    is the write-back of the previous flush's dirty L2 lines, and whether it moves ratios."""
+    flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    for batch, context in ((1, 1024), (1, 4096), (1, 32768), (1, 131072), (8, 4096), (64, 1024), (64, 4096)):
+        p = Problem(batch, context, torch.bfloat16)
+        dense = (p.k.transpose(1, 2).contiguous(), p.v.transpose(1, 2).contiguous())
+        cudnn = SDPA_PROVIDERS["sdpa_cudnn"](p, dense)
+        providers = {"flashkernel_graph": graph_replay(step(p, p.k, p.v, None, append=False))[0],
+                     "cudnn_eager": cudnn, "cudnn_graph": graph_replay(cudnn)[0]}
+        row = {"section": "flush", "batch": batch, "context": context}
+        for name, fn in providers.items():
+            row[f"{name}_write_flush_us"] = gpu_us(fn)
+            row[f"{name}_read_flush_us"] = clean_flush_us(fn, flush)
+        rows.append(row)
+        print("flush " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in row.items() if k != "section"), flush=True)
+        del p, dense, providers
+        torch.cuda.empty_cache()
+
+
+def timeline_section(rows):
+    """Where a graph-replayed step's time goes: kernel durations and the gap between them
+    (CUPTI, torch.profiler) after do_bench's flush, against do_bench's figure for the replay
+    and for graphs of one and two trivial kernels (the floor of the timing method)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.zeros(16, device="cuda")
+    for name, fn in (("one", lambda: x.add_(1)), ("two", lambda: (x.add_(1), x.mul_(1)))):
+        rows.append({"section": "timeline", "floor_kernels": name, "graph_us": gpu_us(graph_replay(fn)[0])})
+        print(f"timeline floor, graph of {name} trivial kernel(s): {rows[-1]['graph_us']:.1f} us", flush=True)
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    for batch, context in ((1, 1024), (1, 4096), (1, 32768), (8, 4096), (64, 1024), (64, 4096), (8, 131072)):
+        p = Problem(batch, context, torch.bfloat16)
+        replay = graph_replay(step(p, p.k, p.v, None, append=False))[0]
+        row = {"section": "timeline", "batch": batch, "context": context, "graph_us": gpu_us(replay)}
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                flush.zero_()
+                replay()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                          and ("_decode" in e.name or "_combine" in e.name)), key=lambda e: e.time_range.start)
+        for which in ("_decode_kernel", "_combine_kernel"):
+            times = sorted(e.time_range.end - e.time_range.start for e in kernels if e.name.startswith(which))
+            if times:
+                row[f"{which.strip('_')}_us"] = times[len(times) // 2]
+        gaps = sorted(b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])
+                      if a.name.startswith("_decode") and b.name.startswith("_combine"))
+        if gaps:
+            row["gap_us"] = gaps[len(gaps) // 2]
+        rows.append(row)
+        print("timeline " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                     for k, v in row.items() if k != "section"), flush=True)
+        del p, replay
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["host", "gpu", "splits", "host-profile", "rules"])
@@ -315,7 +400,8 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     sections = {"host": host_section, "gpu": gpu_section, "host-profile": host_profile_section,
-                "rules": rules_section,
+                "rules": rules_section, "flush": flush_section,
+                "timeline": timeline_section,
                 "splits": lambda rows: split_section(rows, args.split_cases),
                 "paged": lambda rows: paged_section(rows, args.before_decode)}
     for name in args.sections:
