@@ -57,6 +57,12 @@ def host_us(fn, n=2000) -> float:
     return host
 
 
+def print_row(label: str, row: dict, fmt: str = ".1f") -> None:
+    """One result row on one line: ``label key=value ...`` (floats in ``fmt``), no section."""
+    print(label + " " + " ".join(f"{k}={v:{fmt}}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in row.items() if k != "section"), flush=True)
+
+
 def set_fast_launch(fast: bool) -> None:
     _launch.FAST_LAUNCH = fast
 
@@ -113,8 +119,7 @@ def gpu_section(rows):
             except Exception as exc:  # noqa: BLE001
                 row["cudnn_graph_error"] = str(exc)[:200]
         rows.append(row)
-        print("gpu " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                                if k != "section"), flush=True)
+        print_row("gpu", row)
 
 
 SPLIT_CASES = {  # --split-cases: (batch, context, layout, split counts)
@@ -247,8 +252,7 @@ def rules_section(rows):
                 row["cudnn_graph_us"] = gpu_us(replay)
                 del dense
             rows.append(row)
-            print("rules " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in row.items() if k != "section"), flush=True)
+            print_row("rules", row, ".4g")
         del p
         torch.cuda.empty_cache()
     for name, value in new_rules.items():
@@ -303,8 +307,7 @@ def paged_section(rows, before_path=None):
             for name, value in built.items():
                 setattr(decode, name, value)
             rows.append(row)
-            print("paged " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in row.items() if k != "section"), flush=True)
+            print_row("paged", row, ".4g")
             del k_cache, v_cache, block_table
         del p
         torch.cuda.empty_cache()
@@ -348,8 +351,7 @@ def flush_section(rows):
             row[f"{name}_write_flush_us"] = gpu_us(fn)
             row[f"{name}_read_flush_us"] = clean_flush_us(fn, flush)
         rows.append(row)
-        print("flush " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in row.items() if k != "section"), flush=True)
+        print_row("flush", row)
         del p, dense, providers
         torch.cuda.empty_cache()
 
@@ -385,8 +387,7 @@ def timeline_section(rows):
         if gaps:
             row["gap_us"] = gaps[len(gaps) // 2]
         rows.append(row)
-        print("timeline " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                     for k, v in row.items() if k != "section"), flush=True)
+        print_row("timeline", row)
         del p, replay
         torch.cuda.empty_cache()
 
