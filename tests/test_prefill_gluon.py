@@ -22,6 +22,12 @@ MODES = {
     "persistent_7": ((64, 128, 256), dict(pipeline=True, persistent=True, max_programs=7)),
     # Each warpgroup visits only the key tiles its own rows see (causal): full, pipelined, ping-pong.
     "persistent_wg_7": ((64, 128, 256), dict(pipeline=True, persistent=True, wg_tiles=True, max_programs=7)),
+    # d256 persistent stages O in one buffer the consumers take in turn (shared_o); this is the
+    # other way, through Q's buffers.
+    "persistent_q_as_o_7": ((256,), dict(pipeline=True, persistent=True, wg_tiles=True, shared_o=False,
+                                         max_programs=7)),
+    # Causal: the longest query tiles first in a snake instead of pairs of query tiles.
+    "persistent_snake_7": ((64, 128, 256), dict(pipeline=True, persistent=True, causal_pairs=False, max_programs=7)),
     "pingpong_wg": ((64, 128, 256), dict(pipeline=True, pingpong=True, wg_tiles=True)),
     "simple_wg": ((64, 128, 256), dict(pipeline=False, wg_tiles=True)),
     "d64_3wg": ((64,), dict(num_consumers=3)),
@@ -50,13 +56,32 @@ def test_config_per_call_from_the_table():
     short = _h100_config(256, causal=True, seqlen_k=4096)
     assert short.pipeline and short.persistent and not short.pingpong
     assert _h100_config(64, causal=False, seqlen_k=1024).num_consumers == 3
-    short_causal_d64 = _h100_config(64, causal=True, seqlen_k=1024)
-    assert _h100_config(64, causal=True, seqlen_k=2048).num_consumers == 3
-    assert _h100_config(256, causal=True, seqlen_k=2048).wg_tiles
-    assert short_causal_d64.num_consumers == 2 and short_causal_d64.persistent and short_causal_d64.pingpong
+    causal_d64 = _h100_config(64, causal=True, seqlen_k=8192)
+    assert causal_d64.num_consumers == 2 and causal_d64.persistent and causal_d64.pingpong
+    assert _h100_config(64, causal=True, seqlen_k=16384).num_consumers == 3
+    assert _h100_config(256, causal=True, seqlen_k=8192).wg_tiles
+    assert not _h100_config(256, causal=True, seqlen_k=16384).wg_tiles
+    # Causal runs persistent at every length (units of two query tiles, GluonConfig.causal_pairs).
+    assert all(_h100_config(d, causal=True, seqlen_k=n).persistent and _h100_config(d, causal=True, seqlen_k=n).causal_pairs
+               for d in (64, 128, 256) for n in (512, 16384, 65536))
     # A GPU the table does not know runs the kernel's default configuration.
     assert prefill.gluon_config_from(tuning.gluon_rule("X", "sm_120", 128, False, 1024), 128) == \
         prefill._gluon_module().CONFIGS[128]
+
+
+def test_o_staging_per_head_dim():
+    """The persistent kernel's O buffers: one per consumer where they fit (d64, d128), one
+    shared at d256, and every choice within the shared memory of an sm_90 block."""
+    gluon = prefill._gluon_module()
+    configs = gluon.PERSISTENT_CONFIGS
+    assert gluon.o_separate(64, configs[64]) and gluon.o_separate(128, configs[128])
+    assert not gluon.o_separate(256, configs[256]) and gluon.o_shared(256, configs[256])
+    assert not gluon.o_shared(128, configs[128]) and not gluon.o_shared(256, gluon.CONFIGS[256])
+    assert not gluon.o_shared(256, dataclasses.replace(configs[256], shared_o=False))
+    for head_dim, config in configs.items():
+        o_bufs = (config.num_consumers if gluon.o_separate(head_dim, config)
+                  else int(gluon.o_shared(head_dim, config)))
+        assert gluon.smem_bytes(head_dim, config, o_bufs) <= gluon.SMEM_LIMIT
 
 
 def test_interpreter_and_unsupported_calls_use_triton():

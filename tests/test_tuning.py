@@ -71,9 +71,9 @@ def test_heuristic_known_gpus(block_d, shared, expected):
 
 
 def test_gluon_rules_match_in_order():
-    rule = tuning.gluon_rule("X", "sm_90", 64, causal=True, seqlen_k=1024)  # <= 1024 keys
+    rule = tuning.gluon_rule("X", "sm_90", 64, causal=True, seqlen_k=8192)  # <= 8192 keys
     assert rule["base"] == "persistent" and rule["pingpong"]
-    assert tuning.gluon_rule("X", "sm_90", 64, causal=True, seqlen_k=8192)["base"] == "d64_3wg"
+    assert tuning.gluon_rule("X", "sm_90", 64, causal=True, seqlen_k=8193)["base"] == "d64_3wg"
     assert tuning.gluon_rule("X", "sm_90", 128, causal=False, seqlen_k=4096)["base"] == "persistent"
     assert tuning.gluon_rule("X", "sm_90", 128, causal=False, seqlen_k=4097)["base"] == "default"
     assert tuning.gluon_rule("X", "sm_80", 128, causal=False, seqlen_k=4097) is None

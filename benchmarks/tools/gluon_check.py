@@ -91,10 +91,21 @@ VARIANTS = {
     # BLOCK_N 64 (d64/d128; d256 is BLOCK_N 64 already): per-warpgroup tile counts at 64 keys.
     "persistent_n64_wg": dict(block_n=64, stages=4, pipeline=True, pingpong=False, persistent=True, wg_tiles=True),
     "d64_3wg_persistent_wg": dict(pipeline=False, pingpong=False, persistent=True, wg_tiles=True),
+    # d256 (no room for an O buffer per consumer): O staged in Q's buffers, i.e. without the
+    # shared O buffer (GluonConfig.shared_o) that the persistent variants above use there.
+    "persistent_q_as_o": dict(pipeline=True, pingpong=False, persistent=True, shared_o=False),
+    "persistent_wg_q_as_o": dict(pipeline=True, pingpong=False, persistent=True, wg_tiles=True, shared_o=False),
+    # Causal: the longest query tiles of all heads first, dealt out in a snake, instead of units
+    # of two complementary query tiles of one head (GluonConfig.causal_pairs).
+    "persistent_snake": dict(pipeline=True, pingpong=False, persistent=True, causal_pairs=False),
+    "persistent_wg_snake": dict(pipeline=True, pingpong=False, persistent=True, wg_tiles=True, causal_pairs=False),
+    "persistent_pingpong_snake": dict(pipeline=True, pingpong=True, persistent=True, causal_pairs=False),
+    "d64_3wg_persistent_snake": dict(pipeline=False, pingpong=False, persistent=True, causal_pairs=False),
 }
 # Variants that exist only for some head dims (the others run at every head dim).
 VARIANT_HEAD_DIMS = {v: (64,) for v in VARIANTS if v.startswith("d64_")}
 VARIANT_HEAD_DIMS["persistent_n64_wg"] = (64, 128)
+VARIANT_HEAD_DIMS.update({v: (256,) for v in VARIANTS if v.endswith("q_as_o")})
 HEAD_DIMS = (64, 128, 256)
 # (seqlen_q, seqlen_k) of the correctness cases, with B = 2, Hq = 4, Hkv = 2.
 CORRECTNESS_LENGTHS = ((1, 1), (63, 63), (200, 200), (1000, 1000), (1, 1000), (200, 1000), (1000, 200), (63, 1),
@@ -143,7 +154,9 @@ def compile_specialization(head_dim: int, causal: bool, dtype_name: str, variant
     v = torch.empty_like(k)
     out = torch.empty_like(q)
     lse = torch.empty(2, 4, 200, dtype=torch.float32)
-    config = config_for(head_dim, variant)
+    # A capped grid, so that the persistent causal kernel compiles as it runs on the issue's
+    # shapes (more work items than programs: GluonConfig.causal_pairs).
+    config = dataclasses.replace(config_for(head_dim, variant), max_programs=PERSISTENT_TEST_GRID)
     grid, args, kwargs = pg.launch_args(q, k, v, out, lse, causal, 0.125, config)
     fn = pg._gluon_attention_kernel
     signature, constexprs, attrs = {}, {}, {}

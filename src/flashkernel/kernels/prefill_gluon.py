@@ -46,18 +46,25 @@ persistent and 3-warpgroup options are described after the default design):
   of one head are adjacent (they share K/V in L2); with ``causal`` the longest tiles (most keys)
   are issued first across all heads, so the short ones fill the tail.
 
-* **Persistent grid** (``GluonConfig.persistent``, off by default): ``min(#SMs, work items)``
-  programs, each looping over work items ``(query tile, head, batch)``: program ``p`` of ``G``
-  takes item ``n G + p`` in round ``n`` (with ``causal``, ``n G + G - 1 - p`` in odd rounds: a
-  snake over the longest-first order, so no program gets the longest item of every round). The
+* **Persistent grid** (``GluonConfig.persistent``, off by default): ``min(#SMs, units)``
+  programs, each looping over schedule units of work items ``(query tile, head, batch)``:
+  program ``p`` of ``G`` takes unit ``n G + p`` in round ``n``. Without ``causal`` a unit is one
+  item, the query tiles of one head adjacent. With ``causal`` (``causal_pairs``, when there are
+  more items than programs) unit ``k`` of a head is its query tiles ``M - 1 - k`` then ``k``:
+  every unit has the same number of key tiles, and the programs running at one time work on a
+  few heads, so K/V come from L2. (The
+  earlier order, longest tiles of all heads first dealt out in a snake, balanced the programs as
+  well but had each round read every head's K/V again from HBM: ~600 MB at seqlen 1k where K/V
+  are 134 MB, which capped short causal shapes at ~0.85x cuDNN; docs/perf-notes.md.) The
   producer runs ahead into the next item: each consumer has its own Q buffer with a
   ``q_ready``/``q_empty`` pair, released right after its last ``S = Q K^T`` of the item, so
   the next Q loads during the last softmax, ``P V`` and the epilogue; the K/V ring just goes on
   across items (ring uses, ping-pong rounds and Q phases are running counts that the producer
   and every consumer derive from the same item sequence). O is staged in its own shared buffer
   (``separate_o``; by default when it fits: d64 and d128) and its TMA store is waited for only
-  before that buffer is reused, one item later; at d256 (no room) O goes through Q's buffer
-  and ``q_empty`` is released after the store. The pipelined loop's schedule fence uses a
+  before that buffer is reused, one item later; at d256 (no room for two) the consumers take
+  one O buffer in turn (``shared_o``), so Q's buffers are still freed after the last ``S``
+  (without it O goes through Q's buffer, and the next item's loads wait for both O stores). The pipelined loop's schedule fence uses a
   dedicated barrier (the Q barriers cycle). The causal mask compares the tile-local column with
   one per-row limit (``FUSED_MASK``), which keeps d128 causal free of spills.
 * **3 consumer warpgroups** (``num_consumers=3``, 192-row tiles, ``D64_3WG``): for d64, more
@@ -83,8 +90,7 @@ Tile shapes per head dim (``CONFIGS``; shared memory = Q 2x64xD + STAGES x (K + 
 plus 2x64xD for the persistent kernel's O buffer at d64/d128):
 d64: BLOCK_N 128, 3 stages (112 KB); d128: 128, 2 stages (160 KB); d256: 64, 2 stages (192 KB).
 
-Next steps (not done here): a dynamic tile scheduler (atomic counter) instead of the static
-snake, ``BLOCK_N`` 176 at d128, skipping the O rescale when the row max does not move, fewer
+Next steps (not done here): ``BLOCK_N`` 176 at d128, skipping the O rescale when the row max does not move, fewer
 partition barriers (each ``mbarrier.arrive``/``wait`` in a 4-warp partition comes with a
 ``bar.sync`` of the warpgroup: 4 per tile), and building the descriptors once per shape (each
 call encodes four ``CUtensorMap`` on the host).
@@ -146,6 +152,15 @@ class GluonConfig:
     # producer still loads the tile's union; a warpgroup that skips tiles releases them (after
     # their ``ready``) and, with ``pingpong``, passes its turns. Non-causal code is unchanged.
     wg_tiles: bool = False
+    # Persistent only, when O has no buffer per consumer (d256): one O buffer that the consumers
+    # take in turn, so Q's buffers are freed after the last S as with ``separate_o`` and the next
+    # item's loads do not wait for O stores. None: when it fits (see ``o_staging``).
+    shared_o: bool | None = None
+    # Persistent causal only, when there are more work items than programs: schedule units of
+    # two query tiles of one head, ``M - 1 - k`` then ``k`` (equal work per unit; the programs
+    # running at one time share few heads' K/V in L2). False: the longest tiles of all heads
+    # first, dealt out in a snake.
+    causal_pairs: bool = True
 
 
 CONFIGS = {
@@ -169,11 +184,12 @@ WG_TILES_CONFIGS = {d: dataclasses.replace(c, wg_tiles=True) for d, c in PERSIST
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 
 
-def smem_bytes(head_dim: int, config: GluonConfig, separate_o: bool, elem: int = 2) -> int:
-    """Shared memory of the tiles (barriers and compiler scratch not counted)."""
-    q = config.num_consumers * WG_ROWS * head_dim * elem
+def smem_bytes(head_dim: int, config: GluonConfig, o_bufs: int, elem: int = 2) -> int:
+    """Shared memory of the tiles (barriers and compiler scratch not counted) with ``o_bufs``
+    O buffers of 64 rows besides Q's (one per consumer, one shared, or none)."""
+    tile = WG_ROWS * head_dim * elem
     kv = 2 * config.stages * config.block_n * head_dim * elem
-    return q * (2 if separate_o else 1) + kv
+    return (config.num_consumers + o_bufs) * tile + kv
 
 
 def o_separate(head_dim: int, config: GluonConfig) -> bool:
@@ -183,7 +199,23 @@ def o_separate(head_dim: int, config: GluonConfig) -> bool:
         return False
     if config.separate_o is not None:
         return config.separate_o
-    return smem_bytes(head_dim, config, True) <= SMEM_LIMIT - 4096
+    return smem_bytes(head_dim, config, config.num_consumers) <= SMEM_LIMIT - 4096
+
+
+def o_shared(head_dim: int, config: GluonConfig) -> bool:
+    """Whether the persistent kernel stages O in one buffer that the consumers take in turn
+    (``config.shared_o``, or when O has no buffer per consumer and one fits: d256, 3 KB left).
+
+    Without it O goes through Q's buffer, so the next item's Q loads (and the K/V loads behind
+    them in the producer's program order) wait for both O stores and the tensor cores idle
+    meanwhile; with it, Q is freed after the last ``S`` and only the second consumer's O store
+    waits, for the first one's to be read (by then the first one runs the next item).
+    """
+    if not config.persistent or o_separate(head_dim, config):
+        return False
+    if config.shared_o is not None:
+        return config.shared_o
+    return smem_bytes(head_dim, config, 1) <= SMEM_LIMIT - 2048
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -282,11 +314,23 @@ def _program_tile(seqlen_q, num_heads, batch, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _persistent_items(seqlen_q, num_heads, batch, SNAKE: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Persistent grid: how many work items this program runs (see :func:`_persistent_item`)."""
+def _units_per_head(seqlen_q, PAIRS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Persistent grid: schedule units per (batch, head): its query tiles, or with ``PAIRS``
+    their complementary pairs (the middle tile of an odd count alone)."""
+    num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+    if PAIRS:
+        return (num_m_tiles + 1) // 2
+    else:
+        return num_m_tiles
+
+
+@gluon.jit
+def _persistent_units(seqlen_q, num_heads, batch, SNAKE: gl.constexpr, PAIRS: gl.constexpr,
+                      BLOCK_M: gl.constexpr):
+    """Persistent grid: how many schedule units this program runs (see :func:`_persistent_unit`)."""
     pid = gl.program_id(0)
     num_progs = gl.num_programs(0)
-    total = gl.cdiv(seqlen_q, BLOCK_M) * num_heads * batch
+    total = _units_per_head(seqlen_q, PAIRS, BLOCK_M) * num_heads * batch
     full = total // num_progs
     if SNAKE:
         slot = pid + (full & 1) * (num_progs - 1 - 2 * pid)
@@ -296,11 +340,11 @@ def _persistent_items(seqlen_q, num_heads, batch, SNAKE: gl.constexpr, BLOCK_M: 
 
 
 @gluon.jit
-def _persistent_item(n, SNAKE: gl.constexpr):
-    """Work item of this program's ``n``-th round: round ``n`` covers items ``[n G, n G + G)``
+def _persistent_unit(n, SNAKE: gl.constexpr):
+    """Schedule unit of this program's ``n``-th round: round ``n`` covers units ``[n G, n G + G)``
     (G programs); program ``p`` takes ``n G + p``, or with ``SNAKE`` ``n G + G - 1 - p`` in odd
-    rounds, so that with the longest-first causal order no program gets the longest item of
-    every round. Every item is taken exactly once (checked on CPU for all totals and G < 20)."""
+    rounds, so that with the longest-first causal order no program gets the longest unit of
+    every round. Every unit is taken exactly once (checked on CPU for all totals and G < 20)."""
     pid = gl.program_id(0)
     num_progs = gl.num_programs(0)
     if SNAKE:
@@ -308,6 +352,40 @@ def _persistent_item(n, SNAKE: gl.constexpr):
     else:
         slot = pid
     return n * num_progs + slot
+
+
+@gluon.jit
+def _unit_items(u, seqlen_q, PAIRS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work items of schedule unit ``u``: 1, or with ``PAIRS`` 2 (1 for the middle tile)."""
+    if PAIRS:
+        num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+        per_head = (num_m_tiles + 1) // 2
+        middle = ((num_m_tiles % 2) == 1) & ((u % per_head) == per_head - 1)
+        return 2 - middle.to(gl.int32)
+    else:
+        return u * 0 + 1  # a tensor like the other branch's
+
+
+@gluon.jit
+def _unit_item(u, h, seqlen_q, num_heads, batch, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
+               BLOCK_M: gl.constexpr):
+    """``(batch index, head, first query row)`` of item ``h`` of schedule unit ``u``.
+
+    With ``PAIRS`` (causal) unit ``u`` is pair ``k`` of (batch, head) ``u // ceil(M / 2)``: query
+    tile ``M - 1 - k`` (``h = 0``), then tile ``k``; their causal key tiles add up to the same
+    count for every ``k``, so equal shares of units are equal shares of work, and consecutive
+    units are one head's, whose K/V the programs running them share in L2. Else unit ``u`` is
+    item ``u`` of :func:`_decode_item`.
+    """
+    if PAIRS:
+        num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+        per_head = (num_m_tiles + 1) // 2
+        bh = u // per_head
+        k = u % per_head
+        m_tile = k + (1 - h) * (num_m_tiles - 1 - 2 * k)
+        return bh // num_heads, bh % num_heads, m_tile * BLOCK_M
+    else:
+        return _decode_item(u, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
 
 
 # ---- producer ---------------------------------------------------------------------------------
@@ -338,7 +416,7 @@ def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
               seqlen_q, seqlen_k, num_heads, group_size, batch,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, PAIRS: gl.constexpr):
     """TMA warp: Q once per work item, then K/V tiles through the rings (waits on ``empty``)."""
     q_ready, k_ready, k_empty, v_ready, v_empty = bars
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * _WG
@@ -350,16 +428,20 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
         # stream continues the ring where the previous item left it (``base``), so the next
         # item's first tiles load while the consumers finish the current one.
         base = 0
-        for n in range(_persistent_items(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)):
-            t = _persistent_item(n, CAUSAL)
-            b, head, row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
-            n_tiles, _ = _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
-            for c in gl.static_range(NUM_CONSUMERS):
-                mbarrier.wait(q_empty.index(c), (n & 1) ^ 1)
-                _load_tile(q_desc, [b, row0 + c * _WG, head, 0], q_ready.index(c), q_bufs.index(c))
-            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                     b, head // group_size, n_tiles, base, BLOCK_N, STAGES)
-            base += n_tiles
+        n = 0  # work items so far
+        SNAKE: gl.constexpr = CAUSAL and not PAIRS
+        for r in range(_persistent_units(seqlen_q, num_heads, batch, SNAKE, PAIRS, BLOCK_M)):
+            u = _persistent_unit(r, SNAKE)
+            for h in range(_unit_items(u, seqlen_q, PAIRS, BLOCK_M)):
+                b, head, row0 = _unit_item(u, h, seqlen_q, num_heads, batch, CAUSAL, PAIRS, BLOCK_M)
+                n_tiles, _ = _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
+                for c in gl.static_range(NUM_CONSUMERS):
+                    mbarrier.wait(q_empty.index(c), (n & 1) ^ 1)
+                    _load_tile(q_desc, [b, row0 + c * _WG, head, 0], q_ready.index(c), q_bufs.index(c))
+                _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                         b, head // group_size, n_tiles, base, BLOCK_N, STAGES)
+                base += n_tiles
+                n += 1
     else:
         b, head, row0 = _program_tile(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
         n_tiles, _ = _key_tiles(row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
@@ -707,9 +789,11 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
               PIPELINE: gl.constexpr, PINGPONG: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr, SEPARATE_O: gl.constexpr, WG_TILES_OPT: gl.constexpr):
+              PERSISTENT: gl.constexpr, SEPARATE_O: gl.constexpr, WG_TILES_OPT: gl.constexpr,
+              SHARED_O: gl.constexpr, o_turn, PAIRS: gl.constexpr):
     """Consumer warpgroup ``ME``: query rows ``[row0 + 64 ME, row0 + 64 ME + 64)`` of each tile."""
     WG_TILES: gl.constexpr = WG_TILES_OPT and CAUSAL  # per-warpgroup key ranges (causal only)
+    RELEASE_Q: gl.constexpr = SEPARATE_O or SHARED_O  # Q's buffer is free after the last S
     q_ready, k_ready, k_empty, v_ready, v_empty = bars
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * _WG
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
@@ -718,49 +802,61 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
     if PERSISTENT:
         my_q_ready = q_ready.index(ME)
         my_q_empty = q_empty.index(ME)
-        o_buf = o_bufs.index(ME)  # Q's own buffer when not SEPARATE_O (the kernel passes q_bufs)
+        # Q's own buffer without SEPARATE_O or SHARED_O (the kernel passes q_bufs); the shared one.
+        o_buf = o_bufs.index(0 if SHARED_O else ME)
         base = 0  # ring uses before this item (both rings, all consumers, the producer agree)
-        for n in range(_persistent_items(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)):
-            t = _persistent_item(n, CAUSAL)
-            _, _, tile_row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
-            n_tiles, unmasked = _key_tiles(tile_row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
-            n_mine = n_tiles
-            half_last = 0
-            if WG_TILES:
-                n_mine, unmasked, half_last = _wg_key_tiles(tile_row0 + ME * _WG, seqlen_q, seqlen_k, BLOCK_N,
-                                                            BLOCK_N == 2 * _WG)
-            # The loop gets each row's last visible key (shift 0) and nothing else per item that
-            # lives through it: (b, head, rows) are recomputed from t after it (at d128 causal,
-            # keeping them live spills).
-            last_key = tile_row0 + ME * _WG + shift + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
-            mbarrier.wait(my_q_ready, n & 1)  # the n-th load into this Q buffer
-            if PIPELINE:
-                # Ping-pong rounds: n_tiles - 1 per item, so base - n before this one.
-                acc, m_i, l_i = _loop_pipelined(_as_matrix(q_buf), fence_bar, k_bufs, v_bufs, k_ready, k_empty,
-                                                v_ready, v_empty, turn_bars, my_q_empty, n_mine, unmasked, last_key,
-                                                seqlen_k, 0, qk_scale, base, base - n,
-                                                ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, NUM_CONSUMERS,
-                                                SEPARATE_O, True, n_tiles, half_last, WG_TILES)
-            else:
-                acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                             my_q_empty, n_mine, unmasked, last_key, seqlen_k, 0, qk_scale, base,
-                                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SEPARATE_O, True,
-                                             n_tiles, half_last, turn_bars, base - n, ME, NUM_CONSUMERS, WG_TILES)
-            base += n_tiles
-            b, head, tile_row0 = _decode_item(t, seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
-            row0 = tile_row0 + ME * _WG
-            rows = row0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
-            if SEPARATE_O:
-                # The previous item's O store must have finished reading o_buf (the compiler puts
-                # a warpgroup barrier between this wait and the shared-memory writes below).
-                tma.store_wait(0)
-                _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
-                               b, head, row0, rows, seqlen_q, WRITE_LSE, False)
-            else:
-                # O goes through Q's buffer: free it for the next Q only once the store read it.
-                _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
-                               b, head, row0, rows, seqlen_q, WRITE_LSE, True)
-                mbarrier.arrive(my_q_empty)
+        n = 0  # work items so far
+        SNAKE: gl.constexpr = CAUSAL and not PAIRS
+        for r in range(_persistent_units(seqlen_q, num_heads, batch, SNAKE, PAIRS, BLOCK_M)):
+            u = _persistent_unit(r, SNAKE)
+            for h in range(_unit_items(u, seqlen_q, PAIRS, BLOCK_M)):
+                _, _, tile_row0 = _unit_item(u, h, seqlen_q, num_heads, batch, CAUSAL, PAIRS, BLOCK_M)
+                n_tiles, unmasked = _key_tiles(tile_row0, seqlen_q, seqlen_k, BLOCK_N, CAUSAL, BLOCK_M)
+                n_mine = n_tiles
+                half_last = 0
+                if WG_TILES:
+                    n_mine, unmasked, half_last = _wg_key_tiles(tile_row0 + ME * _WG, seqlen_q, seqlen_k, BLOCK_N,
+                                                                BLOCK_N == 2 * _WG)
+                # The loop gets each row's last visible key (shift 0) and nothing else per item that
+                # lives through it: (b, head, rows) are recomputed from (u, h) after it (at d128 causal,
+                # keeping them live spills).
+                last_key = tile_row0 + ME * _WG + shift + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
+                mbarrier.wait(my_q_ready, n & 1)  # the n-th load into this Q buffer
+                if PIPELINE:
+                    # Ping-pong rounds: n_tiles - 1 per item, so base - n before this one.
+                    acc, m_i, l_i = _loop_pipelined(_as_matrix(q_buf), fence_bar, k_bufs, v_bufs, k_ready, k_empty,
+                                                    v_ready, v_empty, turn_bars, my_q_empty, n_mine, unmasked, last_key,
+                                                    seqlen_k, 0, qk_scale, base, base - n,
+                                                    ME, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, NUM_CONSUMERS,
+                                                    RELEASE_Q, True, n_tiles, half_last, WG_TILES)
+                else:
+                    acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                                 my_q_empty, n_mine, unmasked, last_key, seqlen_k, 0, qk_scale, base,
+                                                 HEAD_DIM, BLOCK_N, STAGES, CAUSAL, RELEASE_Q, True,
+                                                 n_tiles, half_last, turn_bars, base - n, ME, NUM_CONSUMERS, WG_TILES)
+                base += n_tiles
+                b, head, tile_row0 = _unit_item(u, h, seqlen_q, num_heads, batch, CAUSAL, PAIRS, BLOCK_M)
+                row0 = tile_row0 + ME * _WG
+                rows = row0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, s_layout))
+                if SEPARATE_O:
+                    # The previous item's O store must have finished reading o_buf (the compiler puts
+                    # a warpgroup barrier between this wait and the shared-memory writes below).
+                    tma.store_wait(0)
+                    _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
+                                   b, head, row0, rows, seqlen_q, WRITE_LSE, False)
+                elif SHARED_O:
+                    # Consumers take the one O buffer in order 0, 1, .. per item (round n), each
+                    # passing it on once its store has read it.
+                    _take_turn(o_turn, ME, n)
+                    _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
+                                   b, head, row0, rows, seqlen_q, WRITE_LSE, True)
+                    _pass_turn(o_turn, ME, NUM_CONSUMERS)
+                else:
+                    # O goes through Q's buffer: free it for the next Q only once the store read it.
+                    _write_results(acc, m_i, l_i, o_desc, o_buf, Lse, stride_lb, stride_lh, stride_ls,
+                                   b, head, row0, rows, seqlen_q, WRITE_LSE, True)
+                    mbarrier.arrive(my_q_empty)
+                n += 1
         tma.store_wait(0)
     else:
         b, head, tile_row0 = _program_tile(seqlen_q, num_heads, batch, CAUSAL, BLOCK_M)
@@ -812,7 +908,7 @@ def _gluon_attention_kernel(
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PERSISTENT: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, SEPARATE_O: gl.constexpr = False,
-    WG_TILES: gl.constexpr = False,
+    WG_TILES: gl.constexpr = False, SHARED_O: gl.constexpr = False, PAIRS: gl.constexpr = False,
 ):
     """Grid ``(m_tiles * Hq * B,)``, or ``(min(#SMs, m_tiles * Hq * B),)`` with ``PERSISTENT``;
     4 warps (+ 4 per extra consumer + 1 producer warp in the partitions).
@@ -823,10 +919,13 @@ def _gluon_attention_kernel(
     gl.static_assert(not PINGPONG or PIPELINE, "PINGPONG needs PIPELINE")
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
     gl.static_assert(not SEPARATE_O or PERSISTENT, "SEPARATE_O is a persistent-kernel option")
+    gl.static_assert(not SHARED_O or (PERSISTENT and not SEPARATE_O), "SHARED_O: persistent, without SEPARATE_O")
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     if SEPARATE_O:
         o_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    elif SHARED_O:
+        o_bufs = gl.allocate_shared_memory(dtype, [1] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_bufs = q_bufs
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -844,6 +943,10 @@ def _gluon_attention_kernel(
     k_empty = _alloc_barriers(STAGES, NUM_CONSUMERS)  # every consumer releases each stage
     v_empty = _alloc_barriers(STAGES, NUM_CONSUMERS)
     turn_bars = _alloc_barriers(NUM_CONSUMERS, 1)
+    if SHARED_O:
+        o_turn = _alloc_barriers(NUM_CONSUMERS, 1)  # whose turn it is to use the O buffer
+    else:
+        o_turn = turn_bars  # unused
     fence_async_shared()  # barrier inits visible to the async proxy (TMA) before first use
     if PERSISTENT:
         mbarrier.arrive(fence_bar)
@@ -856,32 +959,32 @@ def _gluon_attention_kernel(
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O, WG_TILES)),
+                         PERSISTENT, SEPARATE_O, WG_TILES, SHARED_O, o_turn, PAIRS)),
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O, WG_TILES)),
+                         PERSISTENT, SEPARATE_O, WG_TILES, SHARED_O, o_turn, PAIRS)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
                          seqlen_q, seqlen_k, num_heads, group_size, batch, BLOCK_N, STAGES, CAUSAL,
-                         NUM_CONSUMERS, PERSISTENT)),
+                         NUM_CONSUMERS, PERSISTENT, PAIRS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O, WG_TILES)),
+                         PERSISTENT, SEPARATE_O, WG_TILES, SHARED_O, o_turn, PAIRS)),
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O, WG_TILES)),
+                         PERSISTENT, SEPARATE_O, WG_TILES, SHARED_O, o_turn, PAIRS)),
             (_consumer, (q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_bar, o_desc, Lse,
                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, num_heads, batch, qk_scale,
                          2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, PIPELINE, PINGPONG, NUM_CONSUMERS,
-                         PERSISTENT, SEPARATE_O, WG_TILES)),
+                         PERSISTENT, SEPARATE_O, WG_TILES, SHARED_O, o_turn, PAIRS)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, q_empty,
                          seqlen_q, seqlen_k, num_heads, group_size, batch, BLOCK_N, STAGES, CAUSAL,
-                         NUM_CONSUMERS, PERSISTENT)),
+                         NUM_CONSUMERS, PERSISTENT, PAIRS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -940,9 +1043,14 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     lse_arg = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-    items = triton.cdiv(seqlen_q, WG_ROWS * config.num_consumers) * num_heads * batch
-    programs = min(items, config.max_programs or num_sms(q.device))
-    grid = (programs if config.persistent else items,)
+    m_tiles = triton.cdiv(seqlen_q, WG_ROWS * config.num_consumers)
+    items = m_tiles * num_heads * batch
+    max_programs = config.max_programs or num_sms(q.device)
+    # Pairs of query tiles only when there is more than one round of items: with fewer items
+    # than programs, the tiles of a pair would run one after the other instead of side by side.
+    pairs = config.persistent and causal and config.causal_pairs and items > max_programs
+    units = (m_tiles + 1) // 2 * num_heads * batch if pairs else items
+    grid = (min(units, max_programs) if config.persistent else items,)
     args = (make_descriptor(q, WG_ROWS), make_descriptor(k, config.block_n), make_descriptor(v, config.block_n),
             make_descriptor(out, WG_ROWS), lse_arg, *lse_strides,
             seqlen_q, seqlen_k, num_heads, num_heads // num_kv_heads, batch, softmax_scale * LOG2E)
@@ -952,6 +1060,8 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
                   PERSISTENT=config.persistent, NUM_CONSUMERS=config.num_consumers,
                   SEPARATE_O=o_separate(head_dim, config))
     kwargs["WG_TILES"] = config.wg_tiles
+    kwargs["SHARED_O"] = o_shared(head_dim, config)
+    kwargs["PAIRS"] = pairs
     return grid, args, kwargs
 
 
