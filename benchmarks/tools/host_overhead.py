@@ -5,6 +5,8 @@
 ``decode``: host time per eager decode step (B=1, 1k context) and a cProfile of many calls.
 ``prefill``: the same for ``flash_attn_func`` at a tiny shape (the GPU is never the bottleneck),
 on the Gluon path and on the Triton path (``prefill.GLUON_ENABLED``).
+``prefill-parts``: host time of each piece of one eager Gluon call (validation, checks, the
+descriptors, the launch) next to cuDNN's eager call.
 ``prefill-graph``: issue 5's short shapes (16k tokens per batch, model dim 2048, bf16), GPU time
 of back-to-back eager calls (what the benchmark times) against graph replays of the same call,
 for flashkernel and cuDNN: where eager exceeds the replay, the host is the bottleneck.
@@ -60,6 +62,39 @@ def prefill_host() -> None:
     profile(lambda: flashkernel.flash_attn_func(q, k, v, causal=True), lines=25)
 
 
+def prefill_parts() -> None:
+    """Host time of the pieces of one eager Gluon call (tiny causal shape), and of cuDNN's call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashkernel import _checks, interface
+    from flashkernel.kernels import prefill_gluon
+
+    q = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k, v, out = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
+    config = prefill.gluon_config(128, True, 128, q.device)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    parts = {
+        "flash_attn_func": lambda: flashkernel.flash_attn_func(q, k, v, causal=True),
+        "  validation": lambda: interface._validate_dense(q, k, v, True, None, False),
+        "  output allocation": lambda: torch.empty_like(q),
+        "  prefill.use_gluon": lambda: prefill.use_gluon(q, k, v, out, False),
+        "  prefill.gluon_config": lambda: prefill.gluon_config(128, True, 128, q.device),
+        "  prefill_gluon.launch": lambda: prefill_gluon.launch(q, k, v, out, None, causal=True, softmax_scale=0.1,
+                                                               config=config),
+        "    launch_args": lambda: prefill_gluon.launch_args(q, k, v, out, None, True, 0.1, config),
+        "      one make_descriptor": lambda: prefill_gluon.make_descriptor(q, 64),
+        "check_variant": lambda: _checks.check_variant(q, 1, 2, _checks.NO_WINDOW, 0.0, None, None),
+        "sdpa cuDNN (eager call)": cudnn,
+    }
+    for name, fn in parts.items():
+        print(f"{name:28s} {host_us(fn):7.1f} us", flush=True)
+
+
 def graph_us(fn) -> float:
     """Median GPU time of graph replays of ``fn``."""
     replay, _ = graph_replay(fn)
@@ -94,9 +129,11 @@ def prefill_graph() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="decode", choices=("decode", "prefill", "prefill-graph"))
+    workloads = {"decode": decode_host, "prefill": prefill_host, "prefill-parts": prefill_parts,
+                 "prefill-graph": prefill_graph}
+    parser.add_argument("--workload", default="decode", choices=tuple(workloads))
     args = parser.parse_args()
-    {"decode": decode_host, "prefill": prefill_host, "prefill-graph": prefill_graph}[args.workload]()
+    workloads[args.workload]()
 
 
 if __name__ == "__main__":

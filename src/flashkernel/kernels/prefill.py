@@ -489,11 +489,12 @@ def gluon_config_from(rule: dict | None, head_dim: int):
     """A ``prefill_gluon.GluonConfig`` from a table rule: its ``base`` configuration ("default",
     "persistent" or "d64_3wg") with the rule's other fields replaced.
 
-    On the H200 (docs/perf-notes.md, "Prefill in Gluon"): d128/d256 above 4096 keys run one
-    program per query tile with the two consumer warpgroups taking turns on the tensor cores;
-    up to 4096 keys a persistent grid (the next tile's loads overlap this tile's end), at d256
-    causal with each warpgroup visiting only the key tiles its own rows see; d64 runs three
-    consumer warpgroups on a persistent grid, except causal up to 1024 keys.
+    On the H200 (docs/perf-notes.md, "Prefill in Gluon" and "Fifth session"): causal runs a
+    persistent grid at every length (pairs of query tiles per schedule unit; at d256 up to 8192
+    keys each warpgroup visits only the key tiles its own rows see; at d64 up to 8192 keys two
+    consumer warpgroups taking turns, above that three). Without the mask, d128/d256 above 4096
+    keys run one program per query tile with the two consumer warpgroups taking turns on the
+    tensor cores, up to 4096 keys a persistent grid; d64 three consumer warpgroups, persistent.
     """
     gluon = _gluon_module()
     if rule is None:
