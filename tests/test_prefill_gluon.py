@@ -26,8 +26,13 @@ MODES = {
     # other way, through Q's buffers.
     "persistent_q_as_o_7": ((256,), dict(pipeline=True, persistent=True, wg_tiles=True, shared_o=False,
                                          max_programs=7)),
-    # Causal: the longest query tiles first in a snake instead of pairs of query tiles.
+    # Causal: the longest query tiles first in a snake, and pairs of query tiles at every shape
+    # (the automatic choice takes either, by how the pairs fill the grid).
     "persistent_snake_7": ((64, 128, 256), dict(pipeline=True, persistent=True, causal_pairs=False, max_programs=7)),
+    "persistent_pairs_7": ((64, 128, 256), dict(pipeline=True, persistent=True, causal_pairs=True, max_programs=7)),
+    "persistent_wg_pairs_7": ((64, 128, 256), dict(pipeline=True, persistent=True, wg_tiles=True, causal_pairs=True,
+                                                   max_programs=7)),
+    "d64_3wg_persistent_pairs_7": ((64,), dict(num_consumers=3, persistent=True, causal_pairs=True, max_programs=7)),
     "pingpong_wg": ((64, 128, 256), dict(pipeline=True, pingpong=True, wg_tiles=True)),
     "simple_wg": ((64, 128, 256), dict(pipeline=False, wg_tiles=True)),
     "d64_3wg": ((64,), dict(num_consumers=3)),
@@ -61,9 +66,23 @@ def test_config_per_call_from_the_table():
     assert _h100_config(64, causal=True, seqlen_k=16384).num_consumers == 3
     assert _h100_config(256, causal=True, seqlen_k=8192).wg_tiles
     assert not _h100_config(256, causal=True, seqlen_k=16384).wg_tiles
-    # Causal runs persistent at every length (units of two query tiles, GluonConfig.causal_pairs).
+    # Causal runs persistent at every length, in pairs of query tiles where they fill the grid.
     assert all(_h100_config(d, causal=True, seqlen_k=n).persistent and _h100_config(d, causal=True, seqlen_k=n).causal_pairs
-               for d in (64, 128, 256) for n in (512, 16384, 65536))
+               is not False for d in (64, 128, 256) for n in (512, 16384, 65536))
+
+
+def test_pairs_where_units_fill_the_rounds():
+    gluon = prefill._gluon_module()
+    config = gluon.PERSISTENT_CONFIGS[128]
+    # Issue 5's causal shapes (16k tokens per batch, model dim 2048) on 132 SMs: always pairs.
+    for seqlen in (512, 1024, 4096, 16384):
+        assert gluon.use_pairs(True, config, seqlen // 128, 16384 // seqlen * 16, 132)
+    assert not gluon.use_pairs(True, config, 4, 67, 132)  # 134 units: 2 rounds, the second all but idle
+    assert not gluon.use_pairs(True, config, 8, 16, 132)  # fewer units than programs
+    assert not gluon.use_pairs(False, config, 8, 512, 132)
+    assert gluon.use_pairs(True, dataclasses.replace(config, causal_pairs=True), 4, 67, 132)
+    assert not gluon.use_pairs(True, dataclasses.replace(config, causal_pairs=False), 8, 512, 132)
+    assert not gluon.use_pairs(True, gluon.CONFIGS[128], 8, 512, 132)  # not persistent
     # A GPU the table does not know runs the kernel's default configuration.
     assert prefill.gluon_config_from(tuning.gluon_rule("X", "sm_120", 128, False, 1024), 128) == \
         prefill._gluon_module().CONFIGS[128]
@@ -78,6 +97,11 @@ def test_o_staging_per_head_dim():
     assert not gluon.o_separate(256, configs[256]) and gluon.o_shared(256, configs[256])
     assert not gluon.o_shared(128, configs[128]) and not gluon.o_shared(256, gluon.CONFIGS[256])
     assert not gluon.o_shared(256, dataclasses.replace(configs[256], shared_o=False))
+    # An explicit separate_o=False keeps O in Q's buffers unless shared_o asks otherwise.
+    assert not gluon.o_shared(128, dataclasses.replace(configs[128], separate_o=False))
+    assert gluon.o_shared(128, dataclasses.replace(configs[128], separate_o=False, shared_o=True))
+    with pytest.raises(ValueError, match="no room"):
+        gluon.o_shared(256, dataclasses.replace(configs[256], num_consumers=3, shared_o=True))
     for head_dim, config in configs.items():
         o_bufs = (config.num_consumers if gluon.o_separate(head_dim, config)
                   else int(gluon.o_shared(head_dim, config)))

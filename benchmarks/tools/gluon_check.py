@@ -154,9 +154,10 @@ def compile_specialization(head_dim: int, causal: bool, dtype_name: str, variant
     v = torch.empty_like(k)
     out = torch.empty_like(q)
     lse = torch.empty(2, 4, 200, dtype=torch.float32)
-    # A capped grid, so that the persistent causal kernel compiles as it runs on the issue's
-    # shapes (more work items than programs: GluonConfig.causal_pairs).
-    config = dataclasses.replace(config_for(head_dim, variant), max_programs=PERSISTENT_TEST_GRID)
+    # Persistent causal kernels compile as they run on the shapes, in pairs of query
+    # tiles (GluonConfig.causal_pairs), unless the variant asks for the other order.
+    config = config_for(head_dim, variant)
+    config = dataclasses.replace(config, causal_pairs=config.causal_pairs is not False)
     grid, args, kwargs = pg.launch_args(q, k, v, out, lse, causal, 0.125, config)
     fn = pg._gluon_attention_kernel
     signature, constexprs, attrs = {}, {}, {}

@@ -49,14 +49,13 @@ persistent and 3-warpgroup options are described after the default design):
 * **Persistent grid** (``GluonConfig.persistent``, off by default): ``min(#SMs, units)``
   programs, each looping over schedule units of work items ``(query tile, head, batch)``:
   program ``p`` of ``G`` takes unit ``n G + p`` in round ``n``. Without ``causal`` a unit is one
-  item, the query tiles of one head adjacent. With ``causal`` (``causal_pairs``, when there are
-  more items than programs) unit ``k`` of a head is its query tiles ``M - 1 - k`` then ``k``:
-  every unit has the same number of key tiles, and the programs running at one time work on a
-  few heads, so K/V come from L2. (The
-  earlier order, longest tiles of all heads first dealt out in a snake, balanced the programs as
-  well but had each round read every head's K/V again from HBM: ~600 MB at seqlen 1k where K/V
-  are 134 MB, which capped short causal shapes at ~0.85x cuDNN; docs/perf-notes.md.) The
-  producer runs ahead into the next item: each consumer has its own Q buffer with a
+  item, the query tiles of one head adjacent. With ``causal`` (``causal_pairs``, by default when
+  the units fill the grid's rounds: ``use_pairs``) unit ``k`` of a head is its query tiles
+  ``M - 1 - k`` then ``k``: every unit has the same number of key tiles, and the programs
+  running at one time work on a few heads, so K/V come from L2. (The other order, the longest
+  tiles of all heads first dealt out in a snake, balances the programs as well but has each
+  round read every head's K/V again from HBM: ~600 MB at seqlen 1k where K/V are 134 MB, which
+  capped short causal shapes at ~0.85x cuDNN; docs/perf-notes.md.) The producer runs ahead into the next item: each consumer has its own Q buffer with a
   ``q_ready``/``q_empty`` pair, released right after its last ``S = Q K^T`` of the item, so
   the next Q loads during the last softmax, ``P V`` and the epilogue; the K/V ring just goes on
   across items (ring uses, ping-pong rounds and Q phases are running counts that the producer
@@ -140,8 +139,9 @@ class GluonConfig:
     persistent: bool = False
     # Consumer warpgroups of 64 query rows each: 2 (128-row tiles) or 3 (192-row tiles, for d64).
     num_consumers: int = 2
-    # Persistent only: stage O in its own shared buffer (so the next item's Q can land while this
-    # item's epilogue runs) instead of in Q's buffer. None: when it fits (see ``o_separate``).
+    # Persistent only: stage O in its own shared buffer per consumer (so the next item's Q can
+    # land while this item's epilogue runs). None: when it fits (see ``o_separate``); False: in
+    # Q's buffer, or in the shared one with ``shared_o=True``.
     separate_o: bool | None = None
     # Persistent only: at most this many programs (None: one per SM). For tests: a small grid
     # makes every program run many work items.
@@ -154,13 +154,14 @@ class GluonConfig:
     wg_tiles: bool = False
     # Persistent only, when O has no buffer per consumer (d256): one O buffer that the consumers
     # take in turn, so Q's buffers are freed after the last S as with ``separate_o`` and the next
-    # item's loads do not wait for O stores. None: when it fits (see ``o_staging``).
+    # item's loads do not wait for O stores. None: when it fits and ``separate_o`` is not set
+    # (see ``o_shared``).
     shared_o: bool | None = None
-    # Persistent causal only, when there are more work items than programs: schedule units of
-    # two query tiles of one head, ``M - 1 - k`` then ``k`` (equal work per unit; the programs
-    # running at one time share few heads' K/V in L2). False: the longest tiles of all heads
-    # first, dealt out in a snake.
-    causal_pairs: bool = True
+    # Persistent causal only: schedule units of two query tiles of one head, ``M - 1 - k`` then
+    # ``k`` (equal work per unit; the programs running at one time share few heads' K/V in L2).
+    # False: the longest tiles of all heads first, dealt out in a snake. None: pairs when the
+    # units fill the rounds of the grid (``use_pairs``).
+    causal_pairs: bool | None = None
 
 
 CONFIGS = {
@@ -213,9 +214,34 @@ def o_shared(head_dim: int, config: GluonConfig) -> bool:
     """
     if not config.persistent or o_separate(head_dim, config):
         return False
+    fits = smem_bytes(head_dim, config, 1) <= SMEM_LIMIT - 2048
+    if config.shared_o and not fits:
+        raise ValueError(f"shared_o=True: no room for an O buffer at head dim {head_dim} with {config}")
     if config.shared_o is not None:
         return config.shared_o
-    return smem_bytes(head_dim, config, 1) <= SMEM_LIMIT - 2048
+    return fits and config.separate_o is None
+
+
+# A round of the persistent grid that units leave partly idle costs this much at most.
+PAIRS_MAX_TAIL = 1.1
+
+
+def use_pairs(causal: bool, config: GluonConfig, m_tiles: int, heads: int, programs: int) -> bool:
+    """Whether the persistent causal kernel runs pairs of query tiles (``config.causal_pairs``).
+
+    Automatic (None): when the units fill the grid's rounds to within ``PAIRS_MAX_TAIL``. A unit
+    is two items' work, so with few units whole units queue on some programs while others idle
+    (e.g. 134 units on 132 programs take two rounds of full units, where the snake deals 268
+    items into two rounds of unequal ones); at the issue's shapes (16k tokens per batch) units are
+    512 or more and fill their rounds to within 6%.
+    """
+    if not (config.persistent and causal) or config.causal_pairs is False:
+        return False
+    if config.causal_pairs:
+        return True
+    units = (m_tiles + 1) // 2 * heads
+    rounds = -(-units // programs)
+    return units >= programs and rounds * programs <= PAIRS_MAX_TAIL * units
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -910,7 +936,8 @@ def _gluon_attention_kernel(
     PERSISTENT: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, SEPARATE_O: gl.constexpr = False,
     WG_TILES: gl.constexpr = False, SHARED_O: gl.constexpr = False, PAIRS: gl.constexpr = False,
 ):
-    """Grid ``(m_tiles * Hq * B,)``, or ``(min(#SMs, m_tiles * Hq * B),)`` with ``PERSISTENT``;
+    """Grid ``(m_tiles * Hq * B,)``, or ``(min(#SMs, units),)`` with ``PERSISTENT`` (units: work
+    items, or with ``PAIRS`` pairs of them, see :func:`_unit_item`);
     4 warps (+ 4 per extra consumer + 1 producer warp in the partitions).
 
     Descriptors: q/o ``[B, Sq, Hq, D]`` box ``[1, 64, 1, D]``; k/v ``[B, Sk, Hkv, D]`` box
@@ -1046,9 +1073,7 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
     m_tiles = triton.cdiv(seqlen_q, WG_ROWS * config.num_consumers)
     items = m_tiles * num_heads * batch
     max_programs = config.max_programs or num_sms(q.device)
-    # Pairs of query tiles only when there is more than one round of items: with fewer items
-    # than programs, the tiles of a pair would run one after the other instead of side by side.
-    pairs = config.persistent and causal and config.causal_pairs and items > max_programs
+    pairs = use_pairs(causal, config, m_tiles, num_heads * batch, max_programs)
     units = (m_tiles + 1) // 2 * num_heads * batch if pairs else items
     grid = (min(units, max_programs) if config.persistent else items,)
     args = (make_descriptor(q, WG_ROWS), make_descriptor(k, config.block_n), make_descriptor(v, config.block_n),
