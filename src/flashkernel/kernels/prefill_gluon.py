@@ -627,13 +627,14 @@ def _loop_simple(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, q_e
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, RELEASE_Q: gl.constexpr, FUSED_MASK: gl.constexpr = False,
                  n_total=0, half_last=0, turn_bars=None, round0=0, ME: gl.constexpr = 0,
-                 NUM_CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = False):
+                 NUM_CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = False, SKIP: gl.constexpr = False):
     """Key loop without cross-tile overlap: QK^T, wait, softmax, PV, wait. Returns acc, m, l.
 
     Ring uses are ``base + j``; with ``RELEASE_Q``, ``q_empty`` is arrived on once the last
     ``S`` is complete (Q is not read after that). With ``WG_TILES`` this warpgroup computes
     ``n_tiles`` of the item's ``n_total`` tiles, the last one halved when ``half_last`` (BLOCK_N
-    128), and releases the rest (:func:`_skip_tiles`)."""
+    128), and releases the rest (:func:`_skip_tiles`). With ``SKIP`` the same release, and
+    ``n_tiles`` may be 0 (a warpgroup whose rows all lie past the query length)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -672,7 +673,9 @@ def _loop_simple(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, q_e
             acc = _issue_pv(_as_a_operand(p_h, q_smem.dtype, o_layout), v_bufs, v_ready, acc, base + jl, STAGES, True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             _release(v_empty, base + jl, STAGES)
-    if WG_TILES:
+    if WG_TILES or SKIP:
+        if RELEASE_Q:
+            mbarrier.arrive(q_empty, pred=n_tiles == 0)
         _skip_tiles(k_ready, k_empty, v_ready, v_empty, turn_bars, n_tiles, n_total, base, round0,
                     ME, STAGES, False, NUM_CONSUMERS)
     return acc, m_i, l_i
@@ -843,6 +846,12 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
                 if WG_TILES:
                     n_mine, unmasked, half_last = _wg_key_tiles(tile_row0 + ME * _WG, seqlen_q, seqlen_k, BLOCK_N,
                                                                 BLOCK_N == 2 * _WG)
+                if not PIPELINE:
+                    # Rows all past seqlen_q (the last query tile of a 192-row tiling when
+                    # seqlen_q % 192 <= 128): compute nothing, release the tiles.
+                    active = (tile_row0 + ME * _WG < seqlen_q).to(gl.int32)
+                    n_mine = n_mine * active
+                    half_last = half_last * active
                 # The loop gets each row's last visible key (shift 0) and nothing else per item that
                 # lives through it: (b, head, rows) are recomputed from (u, h) after it (at d128 causal,
                 # keeping them live spills).
@@ -859,7 +868,8 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
                     acc, m_i, l_i = _loop_simple(_as_matrix(q_buf), k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                                  my_q_empty, n_mine, unmasked, last_key, seqlen_k, 0, qk_scale, base,
                                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, RELEASE_Q, True,
-                                                 n_tiles, half_last, turn_bars, base - n, ME, NUM_CONSUMERS, WG_TILES)
+                                                 n_tiles, half_last, turn_bars, base - n, ME, NUM_CONSUMERS, WG_TILES,
+                                                 True)
                 base += n_tiles
                 b, head, tile_row0 = _unit_item(u, h, seqlen_q, num_heads, batch, CAUSAL, PAIRS, BLOCK_M)
                 row0 = tile_row0 + ME * _WG
