@@ -192,6 +192,25 @@ def test_supported_rejects_what_tma_cannot_address_gpu():
     assert out.shape == q0.shape
 
 
+def test_tma_checks_and_descriptors_without_a_gpu():
+    """The one-pass TMA check and the descriptor built without TensorDescriptor's checks (both
+    on every Gluon call) agree with the checked versions."""
+    gluon = prefill._gluon_module()
+    x = torch.randn(2, 40, 4, 64, dtype=torch.bfloat16)
+    assert gluon._tma_ok(x)
+    flat = torch.randn(x.numel() + 1, dtype=torch.bfloat16)
+    assert not gluon._tma_ok(flat[1:].view(x.shape))  # base not 16-byte aligned
+    assert not gluon._tma_ok(x[:, :, :1].expand(2, 40, 2, 64))  # broadcast (stride-0) heads
+    assert gluon._tma_ok(x[:, :, :1].expand(2, 40, 1, 64))  # a stride-0 dim of size 1 is fine
+    assert not gluon._tma_ok(x.transpose(2, 3))  # last dim not contiguous
+    assert not gluon._tma_ok(torch.randn(2, 40, 4, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
+    for rows in (64, 128):
+        fast, checked = gluon.make_descriptor(x, rows), gluon.make_checked_descriptor(x, rows)
+        for field in dataclasses.fields(checked):
+            a, b = getattr(fast, field.name), getattr(checked, field.name)
+            assert a is b or a == b, field.name
+
+
 def test_unknown_backend_is_refused():
     q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="backend"):
