@@ -58,9 +58,19 @@ def cuda_properties(device: torch.device):
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned base addresses and strides (the last dim contiguous)."""
-    for x in tensors:
-        if x.data_ptr() % 16:
-            return False
-        if any((stride * x.element_size()) % 16 for stride in x.stride()[:-1]):
+    return all(tma_aligned(x) for x in tensors)
+
+
+def tma_aligned(x: torch.Tensor, broadcast: bool = True) -> bool:
+    """Whether TMA can address ``x``: 16-byte aligned base and strides (all but the last).
+    With ``broadcast=False`` also a contiguous last dim and no stride-0 dimension of size > 1,
+    as host descriptors need. One pass over the strides: the Gluon path checks four tensors per
+    call."""
+    strides = x.stride()
+    if x.data_ptr() % 16 or not (broadcast or strides[-1] == 1):
+        return False
+    elem = x.element_size()
+    for size, stride in zip(x.shape, strides[:-1]):
+        if (stride * elem) % 16 or (not broadcast and stride == 0 and size > 1):
             return False
     return True

@@ -114,7 +114,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import cuda_properties, tma_compatible
+from ._common import cuda_properties, tma_aligned
 from ._launch import Launcher
 
 LOG2E = math.log2(math.e)
@@ -222,6 +222,11 @@ def o_shared(head_dim: int, config: GluonConfig) -> bool:
     return fits and config.separate_o is None
 
 
+def pair_units(m_tiles: int, heads: int) -> int:
+    """Schedule units of the pairs order: ``ceil(m_tiles / 2)`` per (batch, head)."""
+    return (m_tiles + 1) // 2 * heads
+
+
 # A round of the persistent grid that units leave partly idle costs this much at most.
 PAIRS_MAX_TAIL = 1.1
 
@@ -239,7 +244,7 @@ def use_pairs(causal: bool, config: GluonConfig, m_tiles: int, heads: int, progr
         return False
     if config.causal_pairs:
         return True
-    units = (m_tiles + 1) // 2 * heads
+    units = pair_units(m_tiles, heads)
     rounds = -(-units // programs)
     return units >= programs and rounds * programs <= PAIRS_MAX_TAIL * units
 
@@ -1029,16 +1034,8 @@ def _gluon_attention_kernel(
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
-    """TMA: 16-byte aligned base and strides, last dim contiguous, no broadcast (stride-0) dims.
-    (One pass over the strides: it runs four times per call.)"""
-    strides = x.stride()
-    if strides[-1] != 1 or x.data_ptr() % 16:
-        return False
-    elem = x.element_size()
-    for size, stride in zip(x.shape, strides[:-1]):
-        if (stride * elem) % 16 or (stride == 0 and size > 1):
-            return False
-    return True
+    """TMA: 16-byte aligned base and strides, last dim contiguous, no broadcast (stride-0) dims."""
+    return tma_aligned(x, broadcast=False)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -1072,8 +1069,8 @@ def make_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
 
     Built without ``TensorDescriptor.__post_init__``: it re-checks what :func:`supported` and
     :func:`output_ok` checked before any launch (alignment, strides, contiguous last dim) and the
-    fixed box and layout, at ~2 us per descriptor, four per call. ``make_checked_descriptor``
-    builds the same through the constructor (tests compare the two).
+    fixed box and layout, at ~2 us per descriptor, four per call (tests compare the result with
+    the checked constructor's).
     """
     desc = object.__new__(TensorDescriptor)
     desc.base = x
@@ -1083,12 +1080,6 @@ def make_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     desc.layout = _host_tile_layout(rows, x.shape[3], x.dtype)
     desc.padding = "zero"
     return desc
-
-
-def make_checked_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """:func:`make_descriptor` through ``TensorDescriptor``'s own checks."""
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, x.shape[3]],
-                            _host_tile_layout(rows, x.shape[3], x.dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1108,7 +1099,7 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
     items = m_tiles * num_heads * batch
     max_programs = config.max_programs or num_sms(q.device)
     pairs = use_pairs(causal, config, m_tiles, num_heads * batch, max_programs)
-    units = (m_tiles + 1) // 2 * num_heads * batch if pairs else items
+    units = pair_units(m_tiles, num_heads * batch) if pairs else items
     grid = (min(units, max_programs) if config.persistent else items,)
     args = (make_descriptor(q, WG_ROWS), make_descriptor(k, config.block_n), make_descriptor(v, config.block_n),
             make_descriptor(out, WG_ROWS), lse_arg, *lse_strides,
