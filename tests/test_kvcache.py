@@ -6,7 +6,9 @@ and (2) each sequence's output and LSE against the float64 reference over its ke
 error bound relative to PyTorch's own same-dtype error (helpers.assert_output_close).
 """
 
+import dataclasses
 import functools
+
 import pytest
 import torch
 
@@ -294,6 +296,21 @@ def test_auto_splits_depend_on_shapes_only():
     assert decode.pick_num_splits(programs=1, capacity=10**6, block_n=64, sms=132, interpreted=False) == 128
 
 
+def test_gluon_kernel_runs_by_default_over_short_items():
+    """The measured regime (docs/perf-notes.md "Sixth session"): head dim 128, work items of at
+    most GLUON_MAX_ITEM_TOKENS keys, over a contiguous cache at least 256 of them."""
+    assert decode.gluon_wanted(16, 128, 64) and decode.gluon_wanted(256, 128, 4096)
+    assert decode.gluon_wanted(0, 128, 256) and decode.gluon_wanted(0, 128, 4096)
+    assert not decode.gluon_wanted(16, 128, 4097) and not decode.gluon_wanted(0, 128, 8192)
+    assert not decode.gluon_wanted(0, 128, 64)
+    assert not decode.gluon_wanted(16, 64, 64) and not decode.gluon_wanted(16, 256, 64)
+    # One wave of work items: B=1 (8 KV heads) 16 splits, B=8 2, B=64 1; each at least a tile.
+    assert decode.gluon_num_splits(8, 1024, 132, 64) == 16
+    assert decode.gluon_num_splits(8, 512, 132, 128) == 4
+    assert decode.gluon_num_splits(64, 32768, 132, 64) == 2
+    assert decode.gluon_num_splits(512, 4096, 132, 64) == 1
+
+
 def test_configs_fit_the_work_per_program():
     table = decode.DecodeConfig(128, 4, 3)
     fit = functools.partial(decode.fit_config, sms=132, head_dim=128)
@@ -475,31 +492,49 @@ def test_decode_steps_through_kvcache():
 GPU_LENGTHS = (0, 1, 17, 300, 4097)
 
 
+@pytest.fixture(params=["triton", "gluon"])
+def decode_backend(request, monkeypatch):
+    """Decode through one kernel: the Triton one, or the Gluon one (``kernels/decode_gluon.py``)
+    wherever it supports the call, the rest falling back to Triton as automatic dispatch does.
+    Returns the list of calls that took the Gluon kernel."""
+    gluon = request.param == "gluon"
+    if gluon and decode._gluon_module() is None:
+        pytest.skip("Gluon is not importable with this Triton")
+    calls = []
+    monkeypatch.setattr(decode, "use_gluon", lambda q, k, v, geometry, plain, interpreted, num_splits:
+                        gluon and plain and not interpreted and decode._gluon_supported(q, k, v, geometry))
+    run = decode._gluon_decode
+    monkeypatch.setattr(decode, "_gluon_decode", lambda *a, **kw: (calls.append(a[0].shape), run(*a, **kw))[1])
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("heads", [(4, 4), (32, 8), (32, 4), (32, 1)], ids=["mha", "gqa4", "gqa8", "mqa32"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_full_grid_gpu(head_dim, heads, page_size, dtype):
+def test_full_grid_gpu(head_dim, heads, page_size, dtype, decode_backend):
     run_and_check(GPU_LENGTHS, 4, heads, head_dim, dtype, page_size)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_new", range(1, 9))
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
-def test_new_tokens_and_splits_gpu(num_splits, seqlen_new):
+def test_new_tokens_and_splits_gpu(num_splits, seqlen_new, decode_backend):
     run_and_check(GPU_LENGTHS, seqlen_new, (32, 8), 128, torch.bfloat16, 16, num_splits=num_splits)
+    run_and_check(GPU_LENGTHS, seqlen_new, (32, 8), 128, torch.bfloat16, None, num_splits=num_splits,
+                  causal=seqlen_new % 2 == 0, append=seqlen_new % 3 != 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 16, 256])
-def test_long_contexts_gpu(page_size):
+def test_long_contexts_gpu(page_size, decode_backend):
     run_and_check((4097, 70001, 131072), 1, (32, 8), 128, torch.bfloat16, page_size)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 256])
-def test_cache_over_2_31_elements_gpu(page_size):
+def test_cache_over_2_31_elements_gpu(page_size, decode_backend):
     """Offsets past 2**31 elements: sequence 1's tokens (contiguous) or pages (paged) lie there."""
     heads, head_dim, dtype, seqlen_new = 8, 128, torch.bfloat16, 2
     per_token = heads * head_dim
@@ -537,7 +572,7 @@ def test_cache_over_2_31_elements_gpu(page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_cuda_graph_replay_equals_eager_gpu(page_size):
+def test_cuda_graph_replay_equals_eager_gpu(page_size, decode_backend):
     """Capture one decode step (append + attend), replay it with new inputs: bitwise eager."""
     lengths, heads, head_dim, dtype = (100, 3000, 0, 1234), (32, 8), 128, torch.bfloat16
     k_cache, v_cache, block_table = make_cache(lengths, 4, heads[1], head_dim, dtype, page_size)
@@ -571,7 +606,7 @@ def test_cuda_graph_replay_equals_eager_gpu(page_size):
 
 
 @pytest.mark.gpu
-def test_decode_step_does_not_sync_gpu():
+def test_decode_step_does_not_sync_gpu(decode_backend):
     k_cache, v_cache, block_table = make_cache((500, 20), 1, 8, 128, torch.bfloat16, 16)
     q = torch.randn(2, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -585,3 +620,73 @@ def test_decode_step_does_not_sync_gpu():
         call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cache_past_lengths_holds_nan_gpu(head_dim, page_size, decode_backend):
+    """Slots past each sequence's length (and unused pages) hold NaN and Inf, as a cache from
+    torch.empty may: they must not reach the output (0 * NaN is NaN in P V)."""
+    lengths, seqlen_new = (0, 1, 63, 64, 65, 200), 1
+    k_cache, v_cache, block_table = make_cache(lengths, seqlen_new, 2, head_dim, torch.bfloat16, page_size)
+    for cache in (k_cache, v_cache):
+        poison = torch.full_like(cache, float("nan"))
+        poison[..., ::3] = float("inf")
+        for b, length in enumerate(lengths):
+            valid = reference.cache_prefix(cache, b, length, block_table).clone()
+            if block_table is None:
+                poison[b, :length] = valid
+            else:
+                for j in range(0, length, page_size):
+                    n = min(page_size, length - j)
+                    poison[block_table[b, j // page_size].long(), :n] = valid[j:j + n]
+        cache.copy_(poison)
+    for causal in (True, False):
+        run_and_check_existing(k_cache, v_cache, block_table, lengths, seqlen_new, (8, 2), causal)
+    assert decode_backend == [] or len(decode_backend) == 2
+
+
+def run_and_check_existing(k_cache, v_cache, block_table, lengths, seqlen_new, heads, causal):
+    """One call without appending over a given cache, each sequence against the reference."""
+    q = torch.randn(len(lengths), seqlen_new, heads[0], k_cache.shape[-1], dtype=k_cache.dtype, device=DEVICE)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out, lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                   block_table=block_table, causal=causal, return_lse=True,
+                                                   num_splits=3)
+    check_sequences(out, lse, q, k_cache, v_cache, lengths, block_table, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gluon_programs_run_many_items_gpu(programs, page_size, decode_backend, monkeypatch):
+    """A small persistent grid: every program streams many (sequence, head, split) items through
+    one ring, the next item's tiles loading under the current one's."""
+    gluon = decode._gluon_module()
+    if gluon is not None:
+        configs = {d: dataclasses.replace(c, max_programs=programs) for d, c in gluon.CONFIGS.items()}
+        monkeypatch.setattr(gluon, "CONFIGS", configs)
+    for num_splits in (1, 4):
+        run_and_check((0, 1, 17, 300, 4097, 64, 65), 2, (16, 4), 128, torch.bfloat16, page_size,
+                      num_splits=num_splits)
+    assert decode_backend == [] or len(decode_backend) == 2
+
+
+@pytest.mark.gpu
+def test_gluon_backend_refuses_what_it_cannot_run_gpu():
+    if decode._gluon_module() is None or not decode._gluon_module().supported(
+            torch.empty(1, 1, 4, 128, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda"), 0):
+        pytest.skip("no Gluon decode kernel on this GPU")
+    k_cache, v_cache, block_table = make_cache((10,), 1, 1, 64, torch.float16, 1)  # pages of 1
+    q = torch.randn(1, 1, 4, 64, dtype=torch.float16, device=DEVICE)
+    out = torch.empty_like(q)
+    seqlens = torch.tensor([10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="not supported by the Gluon decode kernel"):
+        decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out, None, causal=True,
+                              softmax_scale=0.125, backend="gluon")
+    with pytest.raises(ValueError, match="backend must be"):
+        decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out, None, causal=True,
+                              softmax_scale=0.125, backend="cuda")

@@ -17,6 +17,10 @@
    flush that reads, for flashkernel and cuDNN: the cost of writing back dirty L2 lines.
 8. ``timeline``: a graph-replayed step's kernels (decode, combine) and the gap between them,
    from CUPTI, beside do_bench's figure and the timing floor (graphs of trivial kernels).
+9. ``gluon``: the Gluon kernel (``kernels/decode_gluon.py``) against the Triton kernel and
+   cuDNN, graph-replayed, at issue 4's sweep and over pages of 16 and 256, with the automatic
+   split count and ``--gluon-splits`` alternatives; each Gluon result is checked against the
+   float64 reference first (``Problem.max_error``).
 Shapes are issue 4's: bf16, 32 query heads, 8 KV heads, head dim 128, one new token.
 """
 
@@ -392,17 +396,106 @@ def timeline_section(rows):
         torch.cuda.empty_cache()
 
 
+GLUON_CASES = [(1, 1024, "contiguous"), (1, 4096, "contiguous"), (1, 32768, "contiguous"), (1, 131072, "contiguous"),
+               (8, 1024, "contiguous"), (8, 4096, "contiguous"), (8, 32768, "contiguous"), (8, 131072, "contiguous"),
+               (64, 1024, "contiguous"), (64, 4096, "contiguous"), (64, 32768, "contiguous"),
+               (1, 1024, "paged16"), (1, 4096, "paged16"), (1, 32768, "paged16"), (8, 32768, "paged16"),
+               (64, 4096, "paged16"), (1, 1024, "paged256"), (1, 32768, "paged256"), (8, 32768, "paged256"),
+               (64, 4096, "paged256"), (1, 32768, "bhsd"), (8, 131072, "bhsd"), (64, 1024, "bhsd"),
+               (64, 4096, "bhsd")]
+
+
+def gluon_config_runs(specs):
+    """``--gluon-configs block_n:stages`` -> runs with that head-dim-128 config."""
+    from flashkernel.kernels import decode_gluon
+    runs = {}
+    for spec in specs or ():
+        block_n, stages = spec.split(":")
+        config = decode_gluon.GluonDecodeConfig(int(block_n), int(stages))
+        runs[f"gluon_{block_n}_{stages}"] = dict(backend="gluon", _gluon_config=config)
+    return runs
+
+
+def decode_with(kw, *args, **kwargs):
+    """``decode.decode_forward`` with ``kw``; ``_gluon_config`` replaces the Gluon kernel's
+    head-dim-128 config for the call."""
+    from flashkernel.kernels import decode_gluon
+    kw = dict(kw)
+    config = kw.pop("_gluon_config", None)
+    saved = decode_gluon.CONFIGS
+    if config is not None:
+        decode_gluon.CONFIGS = {**saved, 128: config}
+    try:
+        decode.decode_forward(*args, **kwargs, **kw)
+    finally:
+        decode_gluon.CONFIGS = saved
+
+
+def gluon_section(rows, extra_splits=(), cases=None, configs=None):
+    wanted = None if not cases else {tuple(int(x) if x.isdigit() else x for x in c.split(":")) for c in cases}
+    problem = None
+    for batch, context, layout in GLUON_CASES:
+        if wanted is not None and (batch, context, layout) not in wanted:
+            continue
+        if problem is None or (problem.batch, problem.context) != (batch, context):
+            problem = None
+            torch.cuda.empty_cache()
+            problem = Problem(batch, context, torch.bfloat16)
+        p = problem
+        if layout == "bhsd":  # [B, S, H, D] views of a [B, H, S, D] tensor, cuDNN's layout
+            k_cache, v_cache, block_table = (p.k.transpose(1, 2).contiguous().transpose(1, 2),
+                                             p.v.transpose(1, 2).contiguous().transpose(1, 2), None)
+        else:
+            k_cache, v_cache, block_table = p.layout(layout)
+        row = {"section": "gluon", "batch": batch, "context": context, "layout": layout}
+        runs = {"triton": dict(backend="triton"), "gluon": dict(backend="gluon")}
+        for splits in extra_splits:
+            runs[f"gluon_s{splits}"] = dict(backend="gluon", num_splits=splits)
+        runs.update(gluon_config_runs(configs))
+        for name, kw in runs.items():
+            out = torch.empty_like(p.q)
+
+            def run(kw=kw, out=out):
+                decode_with(kw, p.q, k_cache, v_cache, p.seqlens, block_table, out, None, causal=True,
+                            softmax_scale=HEAD_DIM ** -0.5)
+                return out
+            try:
+                replay, captured = graph_replay(run)
+                replay()
+                torch.cuda.synchronize()
+                row[f"{name}_err"] = p.max_error(captured)
+                row[f"{name}_us"] = gpu_us(replay)
+            except Exception as exc:  # noqa: BLE001
+                row[f"{name}_error"] = str(exc)[:300]
+        if layout == "contiguous":
+            dense = (p.k.transpose(1, 2).contiguous(), p.v.transpose(1, 2).contiguous())
+            row["cudnn_us"] = gpu_us(graph_replay(SDPA_PROVIDERS["sdpa_cudnn"](p, dense))[0])
+            del dense
+        tb = (2 * batch * context * KV_HEADS * HEAD_DIM * 2) / 1e6  # MB of K and V
+        for name in list(row):
+            if name.endswith("_us"):
+                row[name.replace("_us", "_tbs")] = tb / row[name]
+        rows.append(row)
+        print_row("gluon", row, ".3g")
+        del k_cache, v_cache, block_table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["host", "gpu", "splits", "host-profile", "rules"])
     parser.add_argument("--split-cases", default="short", choices=list(SPLIT_CASES))
     parser.add_argument("--before-decode", help="an earlier kernels/decode.py for the paged section's A/B")
+    parser.add_argument("--gluon-splits", nargs="*", type=int, default=[], help="gluon: extra split counts")
+    parser.add_argument("--gluon-cases", nargs="*", help="gluon: only these B:context:layout cases")
+    parser.add_argument("--gluon-configs", nargs="*", help="gluon: also these head-dim-128 configs, block_n:stages")
     parser.add_argument("--out")
     args = parser.parse_args()
     rows = []
     sections = {"host": host_section, "gpu": gpu_section, "host-profile": host_profile_section,
                 "rules": rules_section, "flush": flush_section,
                 "timeline": timeline_section,
+                "gluon": lambda rows: gluon_section(rows, args.gluon_splits, args.gluon_cases,
+                                                            args.gluon_configs),
                 "splits": lambda rows: split_section(rows, args.split_cases),
                 "paged": lambda rows: paged_section(rows, args.before_decode)}
     for name in args.sections:

@@ -137,13 +137,31 @@ def config_for(head_dim: int, variant: str):
 # ---- compile only (no GPU) ---------------------------------------------------------------------
 
 
-def compile_specialization(head_dim: int, causal: bool, dtype_name: str, variant: str) -> dict:
-    """Compile one specialization for sm_90a the way a launch would, and inspect PTX and ptxas."""
+def compile_for_sm90a(fn, args, kwargs, options):
+    """Compile Gluon kernel ``fn`` for sm_90a as a launch with ``args`` (positional, CPU tensors
+    standing in for GPU ones: only dtypes, shapes, strides and alignment matter) and ``kwargs``
+    (constexprs) would, without a GPU."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
+
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+        signature[name] = mangle_type(value)
+        if isinstance(value, torch.Tensor):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # what a launch with an aligned tensor gets
+    for name, value in kwargs.items():
+        signature[name] = "constexpr"
+        constexprs[(fn.arg_names.index(name),)] = value
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def compile_specialization(head_dim: int, causal: bool, dtype_name: str, variant: str) -> dict:
+    """Compile one specialization for sm_90a the way a launch would, and inspect PTX and ptxas."""
+    import torch
 
     from flashkernel.kernels import prefill_gluon as pg
 
@@ -159,18 +177,9 @@ def compile_specialization(head_dim: int, causal: bool, dtype_name: str, variant
     config = config_for(head_dim, variant)
     config = dataclasses.replace(config, causal_pairs=config.causal_pairs is not False)
     grid, args, kwargs = pg.launch_args(q, k, v, out, lse, causal, 0.125, config)
-    fn = pg._gluon_attention_kernel
-    signature, constexprs, attrs = {}, {}, {}
-    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
-        signature[name] = mangle_type(value)
-        if isinstance(value, torch.Tensor):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # what a launch with an aligned tensor gets
-    for name, value in kwargs.items():
-        signature[name] = "constexpr"
-        constexprs[(fn.arg_names.index(name),)] = value
     t0 = time.time()
-    compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": pg.maxnreg_for(config)})
+    compiled = compile_for_sm90a(pg._gluon_attention_kernel, args, kwargs,
+                                 {"num_warps": 4, "maxnreg": pg.maxnreg_for(config)})
     ptx = compiled.asm["ptx"]
     report = ptxas_report(ptx)
     return dict(

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -707,6 +708,95 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> Non
     )
 
 
+# The Gluon kernel (kernels/decode_gluon.py) for plain decode on Hopper
+GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
+# Where it runs by default: head dim 128 (the measured one), work items (a split of one sequence
+# and KV head) of at most GLUON_MAX_ITEM_TOKENS keys, and over a contiguous cache at least
+# GLUON_MIN_CONTIGUOUS_ITEM_TOKENS. Measured against the Triton kernel in the same runs (H200,
+# docs/perf-notes.md "Sixth session"): over pages of 16 and 256 at B=1 2-7% faster (1k: 12.3
+# against 13.2 us), over contiguous caches 1-5% faster at B=1 4k, B=8 1k/4k, B=64 1k/4k; slower
+# at B=1 1k contiguous (64-key items: 12.0 against 11.4 us) and at B=64 32k (1.0-2.6%); elsewhere
+# within 1% either way.
+GLUON_MAX_ITEM_TOKENS = 4096
+GLUON_MIN_CONTIGUOUS_ITEM_TOKENS = 256
+GLUON_HEAD_DIMS = (128,)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    """``kernels.decode_gluon``, or None where it cannot be imported (another Triton version)."""
+    try:
+        from . import decode_gluon
+    except Exception:  # noqa: BLE001 - any import failure means "no Gluon path"
+        return None
+    return decode_gluon
+
+
+def _gluon_supported(q, k_cache, v_cache, geometry: CacheGeometry) -> bool:
+    gluon = _gluon_module()
+    return gluon is not None and gluon.supported(q, k_cache, v_cache, geometry.page_size)
+
+
+def gluon_num_splits(programs: int, capacity: int, sms: int, block_n: int) -> int:
+    """Automatic splits for the Gluon kernel: one wave of work items, each at least a tile."""
+    return max(1, min(sms // max(programs, 1), cdiv(capacity, max(block_n, MIN_SPLIT_TOKENS)), MAX_AUTO_SPLITS))
+
+
+def gluon_wanted(page_size: int, head_dim: int, tokens_per_item: int) -> bool:
+    """Whether the Gluon kernel is the default for a supported call (see ``GLUON_MAX_ITEM_TOKENS``;
+    ``page_size`` 0: contiguous cache)."""
+    if head_dim not in GLUON_HEAD_DIMS or tokens_per_item > GLUON_MAX_ITEM_TOKENS:
+        return False
+    return page_size > 0 or tokens_per_item >= GLUON_MIN_CONTIGUOUS_ITEM_TOKENS
+
+
+def _gluon_splits(q, k_cache, geometry: CacheGeometry, num_splits: int) -> int:
+    if num_splits:
+        return num_splits
+    config = _gluon_module().CONFIGS[q.shape[-1]]
+    return gluon_num_splits(q.shape[0] * k_cache.shape[2], geometry.capacity, sm_count(q.device, False),
+                            config.block_n)
+
+
+def use_gluon(q, k_cache, v_cache, geometry: CacheGeometry, plain: bool, interpreted: bool, num_splits: int) -> bool:
+    """Run this decode step through the Gluon kernel by default?"""
+    if not (GLUON_ENABLED and plain) or interpreted or not _gluon_supported(q, k_cache, v_cache, geometry):
+        return False
+    splits = _gluon_splits(q, k_cache, geometry, num_splits)
+    return gluon_wanted(geometry.page_size, q.shape[-1], cdiv(geometry.capacity, splits))
+
+
+def _gluon_decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, geometry: CacheGeometry, *,
+                  causal: bool, softmax_scale: float, num_splits: int, appended: int) -> None:
+    """The attention part of :func:`decode_forward` through ``decode_gluon`` (append done)."""
+    gluon = _gluon_module()
+    num_splits = _gluon_splits(q, k_cache, geometry, num_splits)
+    target, target_lse, o_strides, l_strides = _split_targets(q, out, lse, num_splits)
+    gluon.launch(q, k_cache, v_cache, cache_seqlens, block_table, target, target_lse, o_strides, l_strides,
+                 appended=appended, capacity=geometry.capacity, num_blocks=geometry.num_blocks,
+                 page_size=geometry.page_size, num_splits=num_splits, causal=causal,
+                 softmax_scale=softmax_scale, config=gluon.CONFIGS[q.shape[-1]], sms=sm_count(q.device, False))
+    if num_splits > 1:
+        combine(target, target_lse, out, lse)
+
+
+def _split_targets(q, out, lse, num_splits):
+    """Where the decode kernel writes: ``out``/``lse`` with one split, else fp32 partials
+    ``[S, B, T, Hq, D]`` and their LSE ``[S, B, Hq, T]`` in the cached workspace. Returns
+    ``(target, target_lse, o_strides, l_strides)``, the strides with a split stride first."""
+    batch, seqlen_new, num_heads, head_dim = q.shape
+    if num_splits == 1:
+        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+        l_strides = (0, lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0,) * 4
+        return out, lse, o_strides, l_strides
+    n_out = num_splits * batch * seqlen_new * num_heads * head_dim
+    n_lse = num_splits * batch * num_heads * seqlen_new
+    buf = workspace(q.device, n_out + n_lse)
+    target = buf[:n_out].view(num_splits, batch, seqlen_new, num_heads, head_dim)
+    target_lse = buf[n_out:].view(num_splits, batch, num_heads, seqlen_new)
+    return target, target_lse, target.stride()[:4], target_lse.stride()
+
+
 def decode_forward(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -726,6 +816,7 @@ def decode_forward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> None:
     """Append ``k_new, v_new`` (if given), then attend; writes ``out`` and ``lse`` (or None).
 
@@ -735,20 +826,35 @@ def decode_forward(
     window bounded on the left: from the window's span instead, see :func:`attended_span`).
     The variant arguments are those of ``flash_attn_with_kvcache``; the window is aligned to
     each sequence's end, and a sink joins split 0 only, so the combine counts it once.
+    ``backend``: ``"triton"`` (this file's kernel), ``"gluon"`` (``decode_gluon.py``: plain
+    attention on Hopper, see its ``supported``; ValueError elsewhere) or None: Gluon where
+    :func:`use_gluon` says so, else Triton. ``config`` applies to the Triton kernel only.
     """
     interpreted = is_interpreted(_decode_kernel)
+    if backend not in (None, "triton", "gluon"):
+        raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
     if k_new is not None:
         append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
     batch, seqlen_new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     geometry = CacheGeometry.of(k_cache, block_table)
+    variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    plain = variant.is_plain
+    if backend == "gluon" or (backend is None and config is None
+                              and use_gluon(q, k_cache, v_cache, geometry, plain, interpreted, num_splits)):
+        if backend == "gluon" and not (plain and not interpreted and _gluon_supported(q, k_cache, v_cache, geometry)):
+            raise ValueError("backend='gluon': this call is not supported by the Gluon decode kernel "
+                             "(plain attention, Hopper GPU, bf16/fp16, head dim 64/128/256, group * T <= 16, "
+                             f"pages of >= 16 keys, TMA-aligned caches); use backend='triton' or None")
+        _gluon_decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, geometry, causal=causal,
+                      softmax_scale=softmax_scale, num_splits=num_splits, appended=seqlen_new if k_new is not None else 0)
+        return
     tuned = config is None
     if tuned:
         config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size)
     group = num_heads // num_kv_heads
     block_m = pick_block_m(group * seqlen_new, head_dim)
     num_row_tiles = cdiv(group * seqlen_new, block_m)
-    variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     programs = batch * num_kv_heads * num_row_tiles
     span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1,
                          config.block_n)
@@ -766,18 +872,7 @@ def decode_forward(
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms,
                             geometry.page_size, head_dim, waves_for(geometry.page_size, programs, span, sms))
 
-    if num_splits == 1:
-        target, target_lse = out, lse
-        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
-        l_strides = (0, lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0,) * 4
-    else:
-        n_out = num_splits * batch * seqlen_new * num_heads * head_dim
-        n_lse = num_splits * batch * num_heads * seqlen_new
-        buf = workspace(q.device, n_out + n_lse)
-        target = buf[:n_out].view(num_splits, batch, seqlen_new, num_heads, head_dim)
-        target_lse = buf[n_out:].view(num_splits, batch, num_heads, seqlen_new)
-        o_strides = (target.stride(0), target.stride(1), target.stride(2), target.stride(3))
-        l_strides = target_lse.stride()
+    target, target_lse, o_strides, l_strides = _split_targets(q, out, lse, num_splits)
     bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
 
     grid = (batch * num_kv_heads * num_splits * num_row_tiles,)
