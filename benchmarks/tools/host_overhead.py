@@ -7,6 +7,8 @@
 on the Gluon path and on the Triton path (``prefill.GLUON_ENABLED``).
 ``prefill-parts``: host time of each piece of one eager Gluon call (validation, checks, the
 descriptors, the launch) next to cuDNN's eager call.
+``decode-parts``: host time of one eager decode step through the Triton and the Gluon kernel
+(B=1, 4k contiguous and 1k over pages of 16), the pieces of the Gluon path, and cuDNN's call.
 ``prefill-graph``: issue 5's short shapes (16k tokens per batch, model dim 2048, bf16), GPU time
 of back-to-back eager calls (what the benchmark times) against graph replays of the same call,
 for flashkernel and cuDNN: where eager exceeds the replay, the host is the bottleneck.
@@ -95,6 +97,57 @@ def prefill_parts() -> None:
         print(f"{name:28s} {host_us(fn):7.1f} us", flush=True)
 
 
+def decode_parts() -> None:
+    """Host time of an eager decode step, Triton kernel against Gluon kernel, and the Gluon pieces."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashkernel.kernels import decode, decode_gluon
+
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    for context, page in ((4096, 0), (1024, 16)):
+        if page:
+            k_cache = torch.randn(context // page + 2, page, 8, 128, device="cuda", dtype=torch.bfloat16)
+            block_table = torch.arange(context // page, device="cuda", dtype=torch.int32).view(1, -1)
+        else:
+            k_cache = torch.randn(1, context, 8, 128, device="cuda", dtype=torch.bfloat16)
+            block_table = None
+        v_cache = torch.randn_like(k_cache)
+        seqlens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+        geometry = decode.CacheGeometry.of(k_cache, block_table)
+        splits = decode._gluon_splits(q, k_cache, geometry, 0)
+        config = decode_gluon.CONFIGS[128]
+        target, target_lse, o_strides, l_strides = decode._split_targets(q, out, None, splits)
+        args = (q, k_cache, v_cache, seqlens, block_table, target, target_lse, o_strides, l_strides)
+        kw = dict(appended=0, capacity=geometry.capacity, num_blocks=geometry.num_blocks, page_size=page,
+                  num_splits=splits, causal=True, softmax_scale=0.1, config=config, sms=132)
+        parts = {
+            "flash_attn_with_kvcache (auto)": lambda: flashkernel.flash_attn_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table),
+            "decode_forward triton": lambda: decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out,
+                                                                   None, causal=True, softmax_scale=0.1,
+                                                                   backend="triton"),
+            "decode_forward gluon": lambda: decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out,
+                                                                  None, causal=True, softmax_scale=0.1,
+                                                                  backend="gluon"),
+            "  use_gluon": lambda: decode.use_gluon(q, k_cache, v_cache, geometry, True, False, 0),
+            "  decode_gluon.launch (no combine)": lambda: decode_gluon.launch(*args, **kw),
+            "    launch_args": lambda: decode_gluon.launch_args(*args, **kw),
+            "  combine": lambda: decode.combine(target, target_lse, out, None),
+        }
+        for name, fn in parts.items():
+            print(f"B=1 {context} page {page:3d} {name:36s} {host_us(fn):7.1f} us", flush=True)
+    qt = q.transpose(1, 2)
+    kt = torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, kt, enable_gqa=True)
+    print(f"sdpa cuDNN (eager call, 4k)            {host_us(cudnn):7.1f} us", flush=True)
+    profile(lambda: decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out, None, causal=True,
+                                          softmax_scale=0.1, backend="gluon"), lines=20)
+
+
 def graph_us(fn) -> float:
     """Median GPU time of graph replays of ``fn``."""
     replay, _ = graph_replay(fn)
@@ -129,7 +182,8 @@ def prefill_graph() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    workloads = {"decode": decode_host, "prefill": prefill_host, "prefill-parts": prefill_parts,
+    workloads = {"decode": decode_host, "decode-parts": decode_parts, "prefill": prefill_host,
+                 "prefill-parts": prefill_parts,
                  "prefill-graph": prefill_graph}
     parser.add_argument("--workload", default="decode", choices=tuple(workloads))
     args = parser.parse_args()
