@@ -296,13 +296,12 @@ def test_auto_splits_depend_on_shapes_only():
     assert decode.pick_num_splits(programs=1, capacity=10**6, block_n=64, sms=132, interpreted=False) == 128
 
 
-def test_gluon_kernel_runs_by_default_over_short_items():
-    """The measured regime (docs/perf-notes.md "Sixth session"): head dim 128, work items of at
-    most GLUON_MAX_ITEM_TOKENS keys, over a contiguous cache at least 256 of them."""
+def test_gluon_kernel_runs_by_default_over_short_paged_items():
+    """The measured regime (docs/perf-notes.md "Sixth session"): paged caches at head dim 128,
+    work items of at most GLUON_MAX_ITEM_TOKENS keys; contiguous caches stay on Triton."""
     assert decode.gluon_wanted(16, 128, 64) and decode.gluon_wanted(256, 128, 4096)
-    assert decode.gluon_wanted(0, 128, 256) and decode.gluon_wanted(0, 128, 4096)
-    assert not decode.gluon_wanted(16, 128, 4097) and not decode.gluon_wanted(0, 128, 8192)
-    assert not decode.gluon_wanted(0, 128, 64)
+    assert not decode.gluon_wanted(16, 128, 4097)
+    assert not decode.gluon_wanted(0, 128, 256) and not decode.gluon_wanted(0, 128, 64)
     assert not decode.gluon_wanted(16, 64, 64) and not decode.gluon_wanted(16, 256, 64)
     # One wave of work items: B=1 (8 KV heads) 16 splits, B=8 2, B=64 1; each at least a tile.
     assert decode.gluon_num_splits(8, 1024, 132, 64) == 16

@@ -710,15 +710,16 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> Non
 
 # The Gluon kernel (kernels/decode_gluon.py) for plain decode on Hopper
 GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
-# Where it runs by default: head dim 128 (the measured one), work items (a split of one sequence
-# and KV head) of at most GLUON_MAX_ITEM_TOKENS keys, and over a contiguous cache at least
-# GLUON_MIN_CONTIGUOUS_ITEM_TOKENS. Measured against the Triton kernel in the same runs (H200,
+# Where it runs by default: paged caches (pages of >= 16 keys) at head dim 128 (the measured one),
+# when each work item (a split of one sequence and KV head) reads at most GLUON_MAX_ITEM_TOKENS
+# keys. Measured against the Triton kernel in the same runs (H200, graph replays,
 # docs/perf-notes.md "Sixth session"): over pages of 16 and 256 at B=1 2-7% faster (1k: 12.3
-# against 13.2 us), over contiguous caches 1-5% faster at B=1 4k, B=8 1k/4k, B=64 1k/4k; slower
-# at B=1 1k contiguous (64-key items: 12.0 against 11.4 us) and at B=64 32k (1.0-2.6%); elsewhere
-# within 1% either way.
+# against 13.2 us); over contiguous caches 1-5% faster at B=1 4k, B=8 1k/4k, B=64 1k/4k, but
+# an eager call costs 25-45 us more host time (two TMA descriptors encoded per launch, ~60% more
+# than the Triton path), which at those shapes is more than the GPU gains; contiguous caches,
+# which eager callers use, stay on the Triton kernel. Serving engines replay paged steps as CUDA
+# graphs, where the host time is gone.
 GLUON_MAX_ITEM_TOKENS = 4096
-GLUON_MIN_CONTIGUOUS_ITEM_TOKENS = 256
 GLUON_HEAD_DIMS = (128,)
 
 
@@ -745,9 +746,7 @@ def gluon_num_splits(programs: int, capacity: int, sms: int, block_n: int) -> in
 def gluon_wanted(page_size: int, head_dim: int, tokens_per_item: int) -> bool:
     """Whether the Gluon kernel is the default for a supported call (see ``GLUON_MAX_ITEM_TOKENS``;
     ``page_size`` 0: contiguous cache)."""
-    if head_dim not in GLUON_HEAD_DIMS or tokens_per_item > GLUON_MAX_ITEM_TOKENS:
-        return False
-    return page_size > 0 or tokens_per_item >= GLUON_MIN_CONTIGUOUS_ITEM_TOKENS
+    return page_size > 0 and head_dim in GLUON_HEAD_DIMS and tokens_per_item <= GLUON_MAX_ITEM_TOKENS
 
 
 def _gluon_splits(q, k_cache, geometry: CacheGeometry, num_splits: int) -> int:
@@ -760,7 +759,9 @@ def _gluon_splits(q, k_cache, geometry: CacheGeometry, num_splits: int) -> int:
 
 def use_gluon(q, k_cache, v_cache, geometry: CacheGeometry, plain: bool, interpreted: bool, num_splits: int) -> bool:
     """Run this decode step through the Gluon kernel by default?"""
-    if not (GLUON_ENABLED and plain) or interpreted or not _gluon_supported(q, k_cache, v_cache, geometry):
+    if not (GLUON_ENABLED and plain) or interpreted or not gluon_wanted(geometry.page_size, q.shape[-1], 0):
+        return False  # the cheap tests first: a contiguous step pays ~1 us here
+    if not _gluon_supported(q, k_cache, v_cache, geometry):
         return False
     splits = _gluon_splits(q, k_cache, geometry, num_splits)
     return gluon_wanted(geometry.page_size, q.shape[-1], cdiv(geometry.capacity, splits))

@@ -33,8 +33,10 @@ as in ``decode.py``) against the split's run of whole ``BLOCK_N`` tiles of the c
 Measured on the H200 (``benchmarks/tools/decode_ab.py --sections gluon``, docs/perf-notes.md
 "Sixth session"): with no math at all the consumer-less stream runs at the Triton kernel's
 speed (the cache's layout and the HBM set the pace, not the kernel); a 64-row wgmma consumer was
-2-5% slower than Triton, this one within about 1% on contiguous caches and 2-7% faster over
-pages at B=1. Plain attention only (``causal`` or not), bf16/fp16, head dims 64/128/256,
+2-5% slower than Triton, this one -2..+5% on contiguous caches and 2-7% faster over pages at
+B=1. Its host cost is higher: Triton's launcher encodes the two TMA descriptors at every launch
+(an eager step ~25-45 us more than the Triton kernel's), so ``decode.use_gluon`` takes it by
+default only for paged caches, whose steps serving engines replay as CUDA graphs. Plain attention only (``causal`` or not), bf16/fp16, head dims 64/128/256,
 ``group * T <= 16`` (more rows in 16-row MMAs would hold a whole K tile per warp: spills),
 TMA-compatible caches; :func:`supported` says which calls qualify and
 ``decode.use_gluon`` where the kernel is used by default.
