@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -54,6 +55,22 @@ def cuda_properties(device: torch.device):
     launchers read SM counts, capability and shared memory on every call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_properties(index)
+
+
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.0: wgmma, TMA; the Gluon kernels)."""
+    props = cuda_properties(device)
+    return (props.major, props.minor) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def optional_kernel_module(name: str):
+    """``flashkernel.kernels.<name>``, or None where it cannot be imported (the Gluon kernels
+    under another Triton version): callers then take the Triton path."""
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except Exception:  # noqa: BLE001 - any import failure means "no such path"
+        return None
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:

@@ -52,7 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
+from ._common import (cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, optional_kernel_module,
+                      padded_head_dim)
 from ._launch import Launcher
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .combine import combine
@@ -723,14 +724,9 @@ GLUON_MAX_ITEM_TOKENS = 4096
 GLUON_HEAD_DIMS = (128,)
 
 
-@functools.lru_cache(maxsize=None)
 def _gluon_module():
     """``kernels.decode_gluon``, or None where it cannot be imported (another Triton version)."""
-    try:
-        from . import decode_gluon
-    except Exception:  # noqa: BLE001 - any import failure means "no Gluon path"
-        return None
-    return decode_gluon
+    return optional_kernel_module("decode_gluon")
 
 
 def _gluon_supported(q, k_cache, v_cache, geometry: CacheGeometry) -> bool:

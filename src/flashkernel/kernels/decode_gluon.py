@@ -53,7 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from ._common import cuda_properties, tma_aligned
+from ._common import is_sm90, tma_aligned
 from ._launch import Launcher
 from .prefill_gluon import (
     TORCH_TO_GL,
@@ -315,8 +315,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pag
     contiguous last dim)."""
     if not q.is_cuda or q.dtype not in TORCH_TO_GL or q.shape[-1] not in HEAD_DIMS:
         return False
-    props = cuda_properties(q.device)
-    if (props.major, props.minor) != (9, 0):
+    if not is_sm90(q.device):
         return False
     group = q.shape[2] // k_cache.shape[2]
     if group * q.shape[1] > BLOCK_M or 0 < page_size < MIN_PAGE:

@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from ._common import cuda_properties, dot_flags, is_interpreted, padded_head_dim, tma_compatible
+from ._common import (cuda_properties, dot_flags, is_interpreted, optional_kernel_module, padded_head_dim,
+                      tma_compatible)
 from . import tuning
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .tuning import TileConfig
@@ -458,14 +459,9 @@ GLUON_HEAD_DIMS = (64, 128, 256)
 GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
 
 
-@functools.lru_cache(maxsize=None)
 def _gluon_module():
     """``kernels.prefill_gluon``, or None where it cannot be imported (another Triton version)."""
-    try:
-        from . import prefill_gluon
-    except Exception:  # noqa: BLE001 - any import failure means "no Gluon path"
-        return None
-    return prefill_gluon
+    return optional_kernel_module("prefill_gluon")
 
 
 def gluon_config(head_dim: int, causal: bool, seqlen_k: int, device: torch.device | None = None):

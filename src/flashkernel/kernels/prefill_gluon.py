@@ -114,7 +114,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import cuda_properties, tma_aligned
+from ._common import cuda_properties, is_sm90, tma_aligned
 from ._launch import Launcher
 
 LOG2E = math.log2(math.e)
@@ -1044,8 +1044,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         return False
-    props = cuda_properties(q.device)
-    if (props.major, props.minor) != (9, 0):  # wgmma exists on sm_90a only
+    if not is_sm90(q.device):  # wgmma exists on sm_90a only
         return False
     if q.dtype not in TORCH_TO_GL or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
