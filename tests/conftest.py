@@ -17,12 +17,12 @@ if not ON_GPU:
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every output the public API allocates starts as NaN, so an unwritten element fails."""
-    from flashkernel import interface
+    from flashkernel.kernels import _launch
 
     def nan_empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(interface, "_empty", nan_empty)
+    monkeypatch.setattr(_launch, "empty", nan_empty)
 
 
 @pytest.fixture(autouse=True)
@@ -38,3 +38,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_call_caches():
+    """Every test starts with no recorded calls, so a replay never outlives a monkeypatch."""
+    from flashkernel import interface, ops
+
+    interface._EAGER_CALLS.clear()
+    ops._OP_CALLS.clear()

@@ -13,7 +13,7 @@ def no_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("kernel launched despite bad input")
 
-    monkeypatch.setattr(interface.decode, "decode_forward", fail)
+    monkeypatch.setattr(interface.dispatch, "decode", fail)
 
 
 def inputs(batch=2, seqlen_q=1, heads=(4, 2), head_dim=64, page_size=16, max_blocks=4, num_blocks=10,

@@ -25,7 +25,7 @@ def no_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("kernel launched despite bad input")
 
-    monkeypatch.setattr(interface.prefill, "attention_forward", fail)
+    monkeypatch.setattr(interface.dispatch, "prefill", fail)
     monkeypatch.setattr(interface.naive, "standard_attention", fail)
 
 

@@ -138,7 +138,7 @@ def test_empty_inputs_return_without_launch(shape, monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a kernel was launched for an empty problem")
 
-    monkeypatch.setattr(interface.prefill, "attention_forward", no_launch)
+    monkeypatch.setattr(interface.dispatch, "prefill", no_launch)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, 64, torch.float16)
     out, lse = flashkernel.flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert out.shape == (batch, seqlen_q, 4, 64) and out.dtype == torch.float16

@@ -15,7 +15,8 @@ import torch
 import flashkernel
 from flashkernel import interface, reference
 from flashkernel.kernels import combine as combine_module
-from flashkernel.kernels import decode
+from flashkernel.kernels import decode, dispatch, tuning
+from flashkernel.kernels._softmax import Variant
 from helpers import DEVICE, DTYPES, assert_output_close
 
 # The interpreter turns tensor loop bounds into ints through a numpy conversion numpy deprecates.
@@ -266,7 +267,7 @@ def test_empty_inputs_return_without_launch(shape, monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a kernel was launched for an empty problem")
 
-    monkeypatch.setattr(interface.decode, "decode_forward", no_launch)
+    monkeypatch.setattr(interface.dispatch, "decode", no_launch)
     k_cache, v_cache, block_table = make_cache([3] * max(batch, 1), 1, 2, 64, torch.float16, 16)
     block_table = block_table[:batch]
     q = torch.randn(batch, seqlen_new, 4, 64, dtype=torch.float16, device=DEVICE)
@@ -292,22 +293,27 @@ def test_auto_splits_depend_on_shapes_only():
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=128, sms=132, interpreted=False) == 4
     # Outside the measured short-context regime (head dim > 128, fp32, explicit configs).
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=32, sms=132, interpreted=False,
-                                  min_split_tokens=decode.UNMEASURED_MIN_SPLIT_TOKENS) == 2
+                                  min_split_tokens=tuning.decode_tuning(None).unmeasured_min_split_tokens) == 2
     assert decode.pick_num_splits(programs=1, capacity=10**6, block_n=64, sms=132, interpreted=False) == 128
 
 
 def test_gluon_kernel_runs_by_default_over_short_paged_items():
-    """The measured regime (docs/perf-notes.md "Sixth session"): paged caches at head dim 128,
-    work items of at most GLUON_MAX_ITEM_TOKENS keys; contiguous caches stay on Triton."""
-    assert decode.gluon_wanted(16, 128, 64) and decode.gluon_wanted(256, 128, 4096)
-    assert not decode.gluon_wanted(16, 128, 4097)
-    assert not decode.gluon_wanted(0, 128, 256) and not decode.gluon_wanted(0, 128, 64)
-    assert not decode.gluon_wanted(16, 64, 64) and not decode.gluon_wanted(16, 256, 64)
+    """The measured regime (docs/perf-notes.md "Decode in Gluon"): paged caches at head dim 128,
+    work items of at most gluon_max_item_tokens keys; contiguous caches stay on Triton."""
+    tuned = tuning.decode_tuning(None)
+    wanted = functools.partial(dispatch.gluon_decode_wanted, tuned=tuned)
+    assert wanted(16, 128, 64) and wanted(256, 128, 4096)
+    assert not wanted(16, 128, 4097)
+    assert not wanted(0, 128, 256) and not wanted(0, 128, 64)
+    assert not wanted(16, 64, 64) and not wanted(16, 256, 64)
     # One wave of work items: B=1 (8 KV heads) 16 splits, B=8 2, B=64 1; each at least a tile.
-    assert decode.gluon_num_splits(8, 1024, 132, 64) == 16
-    assert decode.gluon_num_splits(8, 512, 132, 128) == 4
-    assert decode.gluon_num_splits(64, 32768, 132, 64) == 2
-    assert decode.gluon_num_splits(512, 4096, 132, 64) == 1
+    gluon = pytest.importorskip("flashkernel.kernels.gluon.decode")
+    splits = functools.partial(gluon.num_splits_for, min_split_tokens=tuned.min_split_tokens,
+                               max_splits=tuned.max_auto_splits)
+    assert splits(8, 1024, 132, 64) == 16
+    assert splits(8, 512, 132, 128) == 4
+    assert splits(64, 32768, 132, 64) == 2
+    assert splits(512, 4096, 132, 64) == 1
 
 
 def test_configs_fit_the_work_per_program():
@@ -321,11 +327,11 @@ def test_configs_fit_the_work_per_program():
     # B=8, 32k: long splits keep the table's tiles.
     assert fit(table, tokens_per_program=16384, grid=128, page_size=0) == table
     # B=64, 1k: four waves of 1k-key programs over a contiguous cache: three programs per SM.
-    assert fit(table, tokens_per_program=1024, grid=512, page_size=0) == decode.MULTI_WAVE_CONFIG
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=0) == tuning.decode_tuning(None).multi_wave_config
     assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
-    assert fit(table, tokens_per_program=1024, grid=512, page_size=256) == decode.MULTI_WAVE_CONFIG
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=256) == tuning.decode_tuning(None).multi_wave_config
     # ... over small pages whatever the programs' length.
-    assert fit(table, tokens_per_program=4096, grid=512, page_size=16) == decode.MULTI_WAVE_CONFIG
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=16) == tuning.decode_tuning(None).multi_wave_config
     assert fit(table, tokens_per_program=4096, grid=512, page_size=256) == table
     # Two planned waves over small pages (B=8, 32k: 4 splits) are not a multi-wave grid.
     assert fit(table, tokens_per_program=8192, grid=256, page_size=16, waves=2) == table
@@ -493,17 +499,23 @@ GPU_LENGTHS = (0, 1, 17, 300, 4097)
 
 @pytest.fixture(params=["triton", "gluon"])
 def decode_backend(request, monkeypatch):
-    """Decode through one kernel: the Triton one, or the Gluon one (``kernels/decode_gluon.py``)
-    wherever it supports the call, the rest falling back to Triton as automatic dispatch does.
-    Returns the list of calls that took the Gluon kernel."""
+    """Decode through one kernel: the Triton one, or the Gluon one (``kernels/gluon/decode.py``)
+    wherever it supports the call, the rest falling back to Triton. Returns the list of calls
+    that took the Gluon kernel."""
     gluon = request.param == "gluon"
-    if gluon and decode._gluon_module() is None:
+    if gluon and dispatch._gluon_decode_module() is None:
         pytest.skip("Gluon is not importable with this Triton")
     calls = []
-    monkeypatch.setattr(decode, "use_gluon", lambda q, k, v, geometry, plain, interpreted, num_splits:
-                        gluon and plain and not interpreted and decode._gluon_supported(q, k, v, geometry))
-    run = decode._gluon_decode
-    monkeypatch.setattr(decode, "_gluon_decode", lambda *a, **kw: (calls.append(a[0].shape), run(*a, **kw))[1])
+
+    def choose(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad=None):
+        if gluon and dispatch.decode_refusal("gluon", q, k_cache, v_cache, block_table, variant,
+                                             cache_leftpad) is None:
+            calls.append(q.shape)
+            return "gluon"
+        return "triton"
+
+    monkeypatch.setattr(dispatch, "decode_backend", choose)
+    interface._EAGER_CALLS.clear()
     return calls
 
 
@@ -662,10 +674,11 @@ def run_and_check_existing(k_cache, v_cache, block_table, lengths, seqlen_new, h
 def test_gluon_programs_run_many_items_gpu(programs, page_size, decode_backend, monkeypatch):
     """A small persistent grid: every program streams many (sequence, head, split) items through
     one ring, the next item's tiles loading under the current one's."""
-    gluon = decode._gluon_module()
+    gluon = dispatch._gluon_decode_module()
     if gluon is not None:
-        configs = {d: dataclasses.replace(c, max_programs=programs) for d, c in gluon.CONFIGS.items()}
-        monkeypatch.setattr(gluon, "CONFIGS", configs)
+        config_for = gluon.config_for
+        monkeypatch.setattr(gluon, "config_for",
+                            lambda *a: dataclasses.replace(config_for(*a), max_programs=programs))
     for num_splits in (1, 4):
         run_and_check((0, 1, 17, 300, 4097, 64, 65), 2, (16, 4), 128, torch.bfloat16, page_size,
                       num_splits=num_splits)
@@ -674,18 +687,16 @@ def test_gluon_programs_run_many_items_gpu(programs, page_size, decode_backend, 
 
 @pytest.mark.gpu
 def test_gluon_backend_refuses_what_it_cannot_run_gpu():
-    if decode._gluon_module() is None or not decode._gluon_module().supported(
-            torch.empty(1, 1, 4, 128, dtype=torch.bfloat16, device="cuda"),
-            torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda"),
-            torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda"), 0):
+    q = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16, device="cuda")
+    cache = torch.empty(1, 16, 1, 128, dtype=torch.bfloat16, device="cuda")
+    if dispatch.decode_refusal("gluon", q, cache, cache, None, Variant.of(True)) is not None:
         pytest.skip("no Gluon decode kernel on this GPU")
     k_cache, v_cache, block_table = make_cache((10,), 1, 1, 64, torch.float16, 1)  # pages of 1
     q = torch.randn(1, 1, 4, 64, dtype=torch.float16, device=DEVICE)
-    out = torch.empty_like(q)
     seqlens = torch.tensor([10], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="not supported by the Gluon decode kernel"):
-        decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out, None, causal=True,
-                              softmax_scale=0.125, backend="gluon")
-    with pytest.raises(ValueError, match="backend must be"):
-        decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out, None, causal=True,
-                              softmax_scale=0.125, backend="cuda")
+    with pytest.raises(ValueError, match="backend='gluon' cannot run this call: it needs pages of at least 16"):
+        flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table,
+                                            backend="gluon")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table,
+                                            backend="cuda")

@@ -45,7 +45,7 @@ def test_key_separates_what_triton_separates():
 
 
 def _descriptors():
-    gluon = pytest.importorskip("flashkernel.kernels.prefill_gluon")
+    gluon = pytest.importorskip("flashkernel.kernels.gluon.common")
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):
             base = torch.empty(2, 300, 4, head_dim + 8, dtype=dtype)

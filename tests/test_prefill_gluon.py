@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import flashkernel
-from flashkernel.kernels import prefill, tuning
+from flashkernel.kernels import dispatch, tuning
+from flashkernel.kernels._softmax import Variant
 from helpers import DEVICE, DTYPES, ON_GPU, assert_output_close, random_qkv
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -44,15 +45,15 @@ LENGTHS = [(1, 1), (63, 63), (200, 200), (1000, 1000), (1, 1000), (200, 1000), (
 
 
 def test_module_imports_and_configs_exist():
-    gluon = prefill._gluon_module()
-    assert gluon is not None, "kernels/prefill_gluon.py failed to import with this Triton"
-    assert set(prefill.GLUON_HEAD_DIMS) <= set(gluon.CONFIGS)
+    gluon = dispatch._gluon_prefill_module()
+    assert gluon is not None, "kernels/gluon/prefill.py failed to import with this Triton"
+    assert set(gluon.HEAD_DIMS) <= set(gluon.CONFIGS)
 
 
 def _h100_config(head_dim, causal, seqlen_k):
     """What an sm_90 GPU without its own table entry (an H100) gets from the shipped table."""
     rule = tuning.gluon_rule("NVIDIA H100 80GB HBM3", "sm_90", head_dim, causal, seqlen_k)
-    return prefill.gluon_config_from(rule, head_dim)
+    return dispatch.gluon_config_from(rule, head_dim)
 
 
 def test_config_per_call_from_the_table():
@@ -72,7 +73,7 @@ def test_config_per_call_from_the_table():
 
 
 def test_pairs_where_units_fill_the_rounds():
-    gluon = prefill._gluon_module()
+    gluon = dispatch._gluon_prefill_module()
     config = gluon.PERSISTENT_CONFIGS[128]
     # Issue 5's causal shapes (16k tokens per batch, model dim 2048) on 132 SMs: always pairs.
     for seqlen in (512, 1024, 4096, 16384):
@@ -84,14 +85,14 @@ def test_pairs_where_units_fill_the_rounds():
     assert not gluon.use_pairs(True, dataclasses.replace(config, causal_pairs=False), 8, 512, 132)
     assert not gluon.use_pairs(True, gluon.CONFIGS[128], 8, 512, 132)  # not persistent
     # A GPU the table does not know runs the kernel's default configuration.
-    assert prefill.gluon_config_from(tuning.gluon_rule("X", "sm_120", 128, False, 1024), 128) == \
-        prefill._gluon_module().CONFIGS[128]
+    assert dispatch.gluon_config_from(tuning.gluon_rule("X", "sm_120", 128, False, 1024), 128) == \
+        dispatch._gluon_prefill_module().CONFIGS[128]
 
 
 def test_o_staging_per_head_dim():
     """The persistent kernel's O buffers: one per consumer where they fit (d64, d128), one
     shared at d256, and every choice within the shared memory of an sm_90 block."""
-    gluon = prefill._gluon_module()
+    gluon = dispatch._gluon_prefill_module()
     configs = gluon.PERSISTENT_CONFIGS
     assert gluon.o_separate(64, configs[64]) and gluon.o_separate(128, configs[128])
     assert not gluon.o_separate(256, configs[256]) and gluon.o_shared(256, configs[256])
@@ -109,13 +110,18 @@ def test_o_staging_per_head_dim():
 
 
 def test_interpreter_and_unsupported_calls_use_triton():
+    plain = Variant.of(False)
     q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.float16)
-    out = torch.empty_like(q)
-    assert not prefill.use_gluon(q, k, v, out, interpreted=True)
+    if not HOPPER:
+        assert "needs" in dispatch.prefill_refusal("gluon", q, k, v, plain)
+        assert dispatch.prefill_backend("auto", q, k, v, plain) == "triton"
     q72, k72, v72 = random_qkv(1, 8, 8, 2, 1, 72, torch.float16)
-    assert not prefill.use_gluon(q72, k72, v72, torch.empty_like(q72), interpreted=False)
+    assert dispatch.prefill_backend("auto", q72, k72, v72, plain) == "triton"
     q32, k32, v32 = (x.float() for x in (q, k, v))
-    assert not prefill.use_gluon(q32, k32, v32, torch.empty_like(q32), interpreted=False)
+    assert dispatch.prefill_backend("auto", q32, k32, v32, plain) == "triton"
+    assert "plain attention only" in dispatch.prefill_refusal("gluon", q, k, v, Variant.of(False, softcap=5.0))
+    assert "packed sequences" in dispatch.prefill_refusal("gluon", q, k, v, plain, varlen=True)
+    assert dispatch.prefill_refusal("triton", q, k, v, Variant.of(False, softcap=5.0)) is None
 
 
 @pytest.mark.gpu
@@ -126,7 +132,7 @@ def test_interpreter_and_unsupported_calls_use_triton():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS)
 def test_gluon_kernel_gpu(seqlen_q, seqlen_k, head_dim, causal, dtype, mode):
-    gluon = prefill._gluon_module()
+    gluon = dispatch._gluon_prefill_module()
     head_dims, changes = MODES[mode]
     if head_dim not in head_dims:
         pytest.skip(f"{mode} is a head dim {head_dims} configuration")
@@ -153,8 +159,7 @@ def test_gluon_reads_and_writes_only_its_rows_gpu():
     k, v = (torch.randn(batch, seqlen, 2, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     out_store = torch.full_like(q_store, float("nan"))
     out = out_store[:, 5:5 + seqlen, 1:]
-    assert prefill.use_gluon(q, k, v, out, interpreted=False)
-    prefill.attention_forward(q, k, v, out, None, causal=True, softmax_scale=0.1)
+    assert dispatch.prefill(q, k, v, out, None, causal=True, softmax_scale=0.1) == "gluon"
     assert_output_close(out, q, k, v, causal=True, softmax_scale=0.1)
     guard = out_store.clone()
     guard[:, 5:5 + seqlen, 1:] = float("nan")
@@ -166,7 +171,7 @@ def test_gluon_reads_and_writes_only_its_rows_gpu():
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_attn_func_uses_gluon_at_head_dim_128_gpu(causal, monkeypatch):
     calls = []
-    gluon = prefill._gluon_module()
+    gluon = dispatch._gluon_prefill_module()
     original = gluon.launch  # every Gluon launch goes through it
     monkeypatch.setattr(gluon, "launch", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
     q, k, v = random_qkv(1, 300, 300, 4, 4, 128, torch.bfloat16)
@@ -178,7 +183,7 @@ def test_flash_attn_func_uses_gluon_at_head_dim_128_gpu(causal, monkeypatch):
 @pytest.mark.gpu
 @hopper_only
 def test_supported_rejects_what_tma_cannot_address_gpu():
-    gluon = prefill._gluon_module()
+    gluon = dispatch._gluon_prefill_module()
     q, k, v = random_qkv(1, 64, 64, 4, 2, 128, torch.bfloat16)
     assert gluon.supported(q, k, v)
     flat = torch.randn(q.numel() + 1, device=DEVICE, dtype=torch.bfloat16)
@@ -195,7 +200,7 @@ def test_supported_rejects_what_tma_cannot_address_gpu():
 def test_tma_checks_and_descriptors_without_a_gpu():
     """The one-pass TMA check and the descriptor built without TensorDescriptor's checks (both
     on every Gluon call) agree with the checked versions."""
-    gluon = prefill._gluon_module()
+    gluon = dispatch._gluon_prefill_module()
     x = torch.randn(2, 40, 4, 64, dtype=torch.bfloat16)
     assert gluon._tma_ok(x)
     flat = torch.randn(x.numel() + 1, dtype=torch.bfloat16)
@@ -206,15 +211,23 @@ def test_tma_checks_and_descriptors_without_a_gpu():
     assert not gluon._tma_ok(torch.randn(2, 40, 4, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
     for rows in (64, 128):
         fast = gluon.make_descriptor(x, rows)
-        checked = gluon.TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, 64],
-                                         gluon._host_tile_layout(rows, 64, x.dtype))
+        common = pytest.importorskip("flashkernel.kernels.gluon.common")
+        checked = common.TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, 64],
+                                          common._host_tile_layout(rows, 64, x.dtype))
         for field in dataclasses.fields(checked):
             a, b = getattr(fast, field.name), getattr(checked, field.name)
             assert a is b or a == b, field.name
 
 
 def test_unknown_backend_is_refused():
-    q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.bfloat16)
-    with pytest.raises(ValueError, match="backend"):
-        prefill.attention_forward(q, k, v, torch.empty_like(q), None, causal=False, softmax_scale=0.1,
-                                  backend="Gluon")
+    q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.float16)
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'triton', 'gluon', got 'Gluon'"):
+        flashkernel.flash_attn_func(q, k, v, backend="Gluon")
+    with pytest.raises(TypeError, match="backend must be a string"):
+        flashkernel.flash_attn_func(q, k, v, backend=None)
+    if not HOPPER:
+        with pytest.raises(ValueError, match="backend='gluon' cannot run this call: it needs"):
+            flashkernel.flash_attn_func(q, k, v, backend="gluon")
+    with pytest.raises(ValueError, match="packed sequences"):
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+        flashkernel.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, backend="gluon")

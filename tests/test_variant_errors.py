@@ -16,9 +16,9 @@ def no_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("kernel launched despite bad input")
 
-    monkeypatch.setattr(interface.prefill, "attention_forward", fail)
-    monkeypatch.setattr(interface.prefill, "varlen_forward", fail)
-    monkeypatch.setattr(interface.decode, "decode_forward", fail)
+    monkeypatch.setattr(interface.dispatch, "prefill", fail)
+    monkeypatch.setattr(interface.dispatch, "prefill_varlen", fail)
+    monkeypatch.setattr(interface.dispatch, "decode", fail)
 
 
 def dense_call(**overrides):

@@ -307,7 +307,7 @@ def test_decode_window_reads_only_the_window():
 
 
 def test_decode_empty_cache_gets_the_sink_without_launch(monkeypatch):
-    monkeypatch.setattr(interface.decode, "decode_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(interface.dispatch, "decode", lambda *a, **k: pytest.fail("launched"))
     q = torch.randn(2, 1, 4, 64, dtype=torch.float16, device=DEVICE)
     cache = torch.randn(2, 0, 2, 64, dtype=torch.float16, device=DEVICE)
     sinks = torch.randn(4, device=DEVICE)
@@ -413,7 +413,7 @@ def test_varlen_sequences_after_the_grid_bound_are_computed():
 
 
 def test_varlen_no_keys_anywhere_gets_the_sink_without_launch(monkeypatch):
-    monkeypatch.setattr(interface.prefill, "varlen_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(interface.dispatch, "prefill_varlen", lambda *a, **k: pytest.fail("launched"))
     q, k, v, cu_q, cu_k = packed((3, 4), (0, 0), (2, 1), 64, torch.float16)
     sinks = torch.tensor([0.25, -3.0], device=DEVICE)
     out, lse = flashkernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 0, sinks=sinks, return_lse=True)

@@ -288,14 +288,25 @@ def check_cache_capacity(seqlen_new: int, appending: bool, capacity: int, block_
         )
 
 
+def check_cache_leftpad(cache_leftpad, q) -> None:
+    """None, or int32 ``[batch]`` on q's device (values are read only by :func:`check_kvcache_values`)."""
+    if cache_leftpad is None:
+        return
+    check_int32_vector("cache_leftpad", cache_leftpad, q.shape[0], "the first cache position of each sequence")
+    if cache_leftpad.device != q.device:
+        raise ValueError(f"cache_leftpad is on {cache_leftpad.device} but q is on {q.device}: move it to q's device")
+
+
 def check_kvcache_values(
-    cache_seqlens, block_table, appended: int, capacity: int, num_blocks: int, page_size: int
+    cache_seqlens, block_table, appended: int, capacity: int, num_blocks: int, page_size: int,
+    cache_leftpad=None,
 ) -> None:
-    """Lengths and block-table entries. Reads tensor data: a device->host copy on GPU.
+    """Lengths, key starts and block-table entries. Reads tensor data: a device->host copy on GPU.
 
     Every sequence needs ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + appended <= capacity``;
-    with a block table, the entries of the pages it uses (``ceil(length / page_size)`` per row)
-    must lie in ``[0, num_blocks)``.
+    with ``cache_leftpad``, ``0 <= cache_leftpad[b] <= cache_seqlens[b] + appended``; with a block
+    table, the entries of the pages it uses (``ceil(length / page_size)`` per row) must lie in
+    ``[0, num_blocks)``.
     """
     seqlens = cache_seqlens.detach().to("cpu", torch.int64)
     negative = (seqlens < 0).nonzero()
@@ -312,6 +323,14 @@ def check_kvcache_values(
             f"cache_seqlens[{b}] = {int(seqlens[b])}{plus} exceeds the cache capacity of "
             f"{capacity} tokens per sequence ({where})"
         )
+    if cache_leftpad is not None:
+        starts = cache_leftpad.detach().to("cpu", torch.int64)
+        bad = ((starts < 0) | (starts > lengths)).nonzero()
+        if bad.numel():
+            b = int(bad[0, 0])
+            raise ValueError(
+                f"cache_leftpad[{b}] = {int(starts[b])} lies outside [0, {int(lengths[b])}]: a sequence's keys "
+                "start at or after position 0 and at or before its length")
     if block_table is None:
         return
     table = block_table.detach().to("cpu", torch.int64)
@@ -360,11 +379,13 @@ def check_softcap(softcap) -> float:
     return value
 
 
-def _check_float32_param(name: str, x, shapes: list[tuple[int, ...]], what: str, q) -> None:
+def _check_float32_param(name: str, x, shapes: list[tuple[int, ...]], what: str, q,
+                         dtypes=(torch.float32,)) -> None:
     check_tensor(name, x)
-    if x.dtype != torch.float32:
+    if x.dtype not in dtypes:
+        accepted = " or ".join(_dtype_name(d) for d in dtypes)
         raise TypeError(
-            f"{name} has dtype {_dtype_name(x.dtype)}; it must be float32 (call .float() on it)"
+            f"{name} has dtype {_dtype_name(x.dtype)}; it must be {accepted} (call .float() on it)"
         )
     if tuple(x.shape) not in shapes:
         accepted = " or ".join(str(s) for s in shapes)
@@ -381,9 +402,11 @@ def check_alibi_slopes(alibi_slopes, batch: int, num_heads: int, q) -> None:
 
 
 def check_sinks(sinks, num_heads: int, q) -> None:
-    """None, or float32 ``[num_heads]`` on q's device (values unread; -inf means no sink)."""
+    """None, or ``[num_heads]`` float32 / float16 / bfloat16 on q's device (read as float32;
+    values unread here; -inf means no sink)."""
     if sinks is not None:
-        _check_float32_param("sinks", sinks, [(num_heads,)], "one logit per query head", q)
+        _check_float32_param("sinks", sinks, [(num_heads,)], "one logit per query head", q,
+                             dtypes=(torch.float32, torch.float16, torch.bfloat16))
 
 
 NO_WINDOW = (-1, -1)  # the default window_size of the public functions
@@ -405,6 +428,8 @@ def check_variant(q, batch: int, num_heads: int, window_size, softcap, alibi_slo
 
 
 def check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, torch.SymInt):  # traced with dynamic shapes: checked when it is concrete
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 0:

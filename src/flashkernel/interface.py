@@ -1,27 +1,61 @@
-"""The public face of flashkernel: docstrings, validation and dispatch to the kernels.
+"""The public face of flashkernel: docstrings, validation, and the call into the op layer.
 
-This is the only module that turns user tensors into kernel launches. It validates (through
-``_checks``), allocates outputs and calls the launchers in ``kernels/``.
+Every public function validates its arguments (through ``_checks``) and runs its op
+(``ops.py``): through ``torch.ops.flashkernel`` when compiling or when autograd records the
+call, and directly otherwise. In eager mode a call whose tensor layouts and scalar arguments
+equal an earlier call's skips both validation (what it checks cannot have changed) and
+dispatch: the launches recorded for that earlier call are replayed with the new tensors'
+addresses (``kernels/_launch.py``). Any other call takes the whole path.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from . import _checks
-from .kernels import decode, naive, prefill
-from .kernels._common import is_interpreted
+from . import _checks, ops
+from .kernels import decode, dispatch, naive
+from .kernels._launch import CallCache, allocate, layout
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "standard_attention"]
 
 MAX_NAIVE_ROWS = 65535  # grid-axis limit of the naive kernels' (batch * heads) axis
 
+_EAGER_CALLS = CallCache()
+
 
 def kernels_interpreted() -> bool:
     """True when flashkernel's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return is_interpreted(prefill._attention_fwd_kernel)
+    return dispatch.interpreted()
+
+
+def _eager(tensors) -> bool:
+    """Whether a call may skip the dispatcher: not compiling, plain CUDA tensors, no gradient
+    wanted (then nothing but our own launches can observe the op)."""
+    q = tensors[0]
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and q.is_cuda
+            and not ops.needs_grad(tensors))
+
+
+def _typed(*values) -> tuple:
+    """Scalars as cache-key items that keep ``1``, ``1.0`` and ``True`` apart (validation
+    accepts some of them and not others)."""
+    return tuple([(v.__class__, v) for v in values])
+
+
+def _window_key(window_size):
+    if window_size is _checks.NO_WINDOW:
+        return window_size
+    return (window_size.__class__, *_typed(*window_size)) if isinstance(window_size, (tuple, list)) else window_size
+
+
+def _replay(key, tensors):
+    """The outputs of a replayed earlier call of the same key, or None (no such call, or a key
+    that cannot be hashed)."""
+    try:
+        replay = _EAGER_CALLS.get(key)
+    except TypeError:
+        return None
+    return None if replay is None else replay.run(tensors)
 
 
 def _validate_dense(q, k, v, causal, softmax_scale, return_lse) -> float:
@@ -29,17 +63,6 @@ def _validate_dense(q, k, v, causal, softmax_scale, return_lse) -> float:
     _checks.check_flag("causal", causal)
     _checks.check_flag("return_lse", return_lse)
     return _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
-
-
-def _on_device(x: torch.Tensor):
-    """Triton launches on the current CUDA device and stream: make the device ``x``'s for the
-    launches (sets a device index; no synchronisation, so CUDA-graph capture is unaffected)."""
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-
-
-def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate an output. The one allocation point, so tests can poison outputs with NaN."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _empty_results(q: torch.Tensor, want_lse: bool, sinks: torch.Tensor | None = None):
@@ -64,6 +87,19 @@ def _empty_results(q: torch.Tensor, want_lse: bool, sinks: torch.Tensor | None =
     return out, lse
 
 
+def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op):
+    """Run a validated call: recorded for replay in eager mode, else through the op ``op``
+    (after checking that no gradient is wanted where the op has no backward; ``named`` are the
+    differentiable inputs with their names)."""
+    if eager_key is not None:
+        try:
+            return _EAGER_CALLS.record(eager_key, tensors, run_eager)
+        except TypeError:  # an unhashable key (a list as window_size)
+            return run_eager()
+    ops.check_no_grad(op, named, f"flashkernel.{public}")
+    return run_op()
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,6 +112,7 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    backend: str = "auto",
 ):
     """Exact attention, fused in one kernel: ``softmax(scale * q k^T [+ mask]) v``.
 
@@ -124,11 +161,16 @@ def flash_attn_func(
             FlashAttention and Gemma 2); 0 (default) = off.
         alibi_slopes: float32 ``[num_heads]`` or ``[batch, num_heads]``: add
             ``-slope * |i + Sk - Sq - j|`` to the (capped) scores, with or without ``causal``.
-        sinks: float32 ``[num_heads]``: a per-head logit that joins the softmax denominator
-            with no value vector (gpt-oss): ``out = sum_j e^(s_j) v_j / (e^sink + sum_j
-            e^(s_j))``. The returned LSE includes it; a row that sees no key returns 0 with
-            LSE = sink. The sink is compared with the final scores as is (not scaled or capped).
+        sinks: ``[num_heads]`` (float32, or q's dtype: it is read as float32): a per-head logit
+            that joins the softmax denominator with no value vector (gpt-oss): ``out = sum_j
+            e^(s_j) v_j / (e^sink + sum_j e^(s_j))``. The returned LSE includes it; a row that
+            sees no key returns 0 with LSE = sink. The sink is compared with the final scores as
+            is (not scaled or capped).
         return_lse: also return the log-sum-exp of each row.
+        backend: ``"auto"`` (default), ``"triton"`` or ``"gluon"``: which kernel runs the call
+            (``kernels/dispatch.py``). ``"auto"`` takes the Gluon kernel on Hopper for plain
+            attention at head dim 64/128/256 in bf16/fp16, else the Triton kernel; naming a
+            backend that cannot run the call raises a ValueError that says why.
 
     The variants combine freely with each other, ``causal`` and GQA; order of operations:
     scale, cap, ALiBi bias, masks, softmax with the sink (``reference.py`` is the spec). Each
@@ -137,7 +179,7 @@ def flash_attn_func(
     Returns:
         ``out [batch, seqlen_q, num_heads, head_dim]`` in the input dtype (contiguous), and with
         ``return_lse=True`` also ``lse [batch, num_heads, seqlen_q]`` float32, natural log.
-        Softmax statistics and accumulation are float32. Forward only (no autograd).
+        Softmax statistics and accumulation are float32.
 
     Example::
 
@@ -146,19 +188,24 @@ def flash_attn_func(
         >>> v = torch.randn_like(k)
         >>> out = flash_attn_func(q, k, v, causal=True)        # [2, 1024, 32, 128]
     """
+    tensors = (q, k, v, alibi_slopes, sinks)
+    key = None
+    if _eager(tensors):
+        key = ("fwd", _typed(causal, softmax_scale, softcap, return_lse, backend), _window_key(window_size),
+               *[layout(t) for t in tensors])
+        results = _replay(key, tensors)
+        if results is not None:
+            return results if return_lse else results[0]
     scale = _validate_dense(q, k, v, causal, softmax_scale, return_lse)
     batch, seqlen_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
-    seqlen_k = k.shape[1]
-    if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
+    dispatch.check_backend(backend)
+    if batch == 0 or seqlen_q == 0 or k.shape[1] == 0:
         out, lse = _empty_results(q, return_lse, sinks)
-    else:
-        out = _empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
-        lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device) if return_lse else None
-        with _on_device(q):
-            prefill.attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                      window_size=window, softcap=cap, alibi_slopes=alibi_slopes,
-                                      sinks=sinks)
+        return (out, lse) if return_lse else out
+    scalars = (causal, scale, window[0], window[1], cap, return_lse, backend)
+    out, lse = _run("fwd", "flash_attn_func", key, tensors, (("q", q), ("k", k), ("v", v), ("sinks", sinks)),
+                    lambda: ops.fwd_impl(*tensors, *scalars), lambda: ops.fwd(*tensors, *scalars))
     return (out, lse) if return_lse else out
 
 
@@ -179,6 +226,7 @@ def flash_attn_varlen_func(
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     validate: bool | None = None,
+    backend: str = "auto",
 ):
     """Attention over packed sequences of different lengths, with no padding.
 
@@ -205,6 +253,7 @@ def flash_attn_varlen_func(
             CPU; ``True`` always checks (not inside CUDA-graph capture), ``False`` never.
             Unchecked bad offsets give unspecified results but no out-of-bounds memory access
             (the kernel clamps them to ``[0, total]``).
+        backend: ``"auto"`` or ``"triton"`` (packed sequences run on the Triton kernel).
 
     Work: one program per (query tile of a sequence, head); the tiles of all sequences are laid
     end to end in one grid axis and each program finds its sequence from ``cu_seqlens_q`` on
@@ -222,6 +271,14 @@ def flash_attn_varlen_func(
         >>> k = torch.randn(322, 8, 128, device="cuda", dtype=torch.bfloat16)
         >>> out = flash_attn_varlen_func(q, k, torch.randn_like(k), cu, cu, 300, 300, causal=True)
     """
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    key = None
+    if _eager(tensors) and validate is not True:
+        key = ("varlen", _typed(max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap, return_lse, validate,
+                                backend), _window_key(window_size), *[layout(t) for t in tensors])
+        results = _replay(key, tensors)
+        if results is not None:
+            return results if return_lse else results[0]
     interpreted = kernels_interpreted()
     max_q, max_k = _checks.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, interpreted)
@@ -232,17 +289,21 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.shape[0] - 1
     total_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
+    dispatch.check_backend(backend)
     if validate or (validate is None and cu_seqlens_q.device.type == "cpu"):
         _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], max_q, max_k)
     if batch == 0 or total_q == 0 or k.shape[0] == 0 or max_q == 0:
         out, lse = _empty_results(q, return_lse, sinks)
-    else:
-        out = _empty((total_q, num_heads, head_dim), q.dtype, q.device)
-        lse = _empty((num_heads, total_q), torch.float32, q.device) if return_lse else None
-        with _on_device(q):
-            prefill.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, lse,
-                                   causal=causal, softmax_scale=scale, window_size=window,
-                                   softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks)
+        return (out, lse) if return_lse else out
+    scalars = (causal, scale, window[0], window[1], cap, return_lse, backend)
+
+    def run_eager():
+        return ops.varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks, *scalars)
+
+    out, lse = _run("varlen_fwd", "flash_attn_varlen_func", key, tensors,
+                    (("q", q), ("k", k), ("v", v), ("sinks", sinks)), run_eager,
+                    lambda: ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks,
+                                           *scalars))
     return (out, lse) if return_lse else out
 
 
@@ -271,17 +332,19 @@ def standard_attention(
     if batch == 0 or seqlen_q == 0 or k.shape[1] == 0:
         out, lse = _empty_results(q, return_lse)
     else:
-        out = _empty(q.shape, q.dtype, q.device)
-        lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device)
-        with _on_device(q):
+        ops.check_no_grad("standard_attention", (("q", q), ("k", k), ("v", v)), "flashkernel.standard_attention")
+        out = allocate(q.shape, q.dtype, q.device)
+        lse = allocate((batch, num_heads, seqlen_q), torch.float32, q.device)
+        with ops.on_device(q):
             naive.standard_attention(q, k, v, out, lse, causal=causal, softmax_scale=scale)
     return (out, lse) if return_lse else out
 
 
-def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
                       softmax_scale, num_splits, return_lse, validate) -> float:
     _checks.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                  kernels_interpreted())
+    _checks.check_cache_leftpad(cache_leftpad, q)
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         _checks.check_flag(name, flag)
     _checks.check_optional_flag("validate", validate)
@@ -291,7 +354,7 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
     _checks.check_cache_capacity(q.shape[1], k is not None, geometry.capacity, block_table)
     if validate or (validate is None and cache_seqlens.device.type == "cpu"):
         _checks.check_kvcache_values(cache_seqlens, block_table, appended, geometry.capacity,
-                                     geometry.num_blocks, max(geometry.page_size, 1))
+                                     geometry.num_blocks, max(geometry.page_size, 1), cache_leftpad)
     return _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
 
 
@@ -304,6 +367,7 @@ def flash_attn_with_kvcache(
     v: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = _checks.NO_WINDOW,
@@ -313,6 +377,7 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     validate: bool | None = None,
+    backend: str = "auto",
 ):
     """Decode step: append new keys/values to a KV cache in place, then attend to the cache.
 
@@ -339,7 +404,15 @@ def flash_attn_with_kvcache(
             ``L = cache_seqlens[b]``.
         block_table: ``[batch, max_blocks]`` int32 page indices into ``k_cache``'s first
             dimension, or None for a contiguous cache. Only the first ``ceil(L / page_size)``
-            entries of each row are read.
+            entries of each row are read. Entries past a sequence's pages may be anything (-1
+            included): they are never read, and an append that would land past the entries
+            of valid pages is skipped.
+        cache_leftpad: ``[batch]`` int32 or None: sequence ``b``'s keys start at cache position
+            ``cache_leftpad[b]`` (a left-padded batch, or a static cache whose first slots are
+            unused): it attends positions ``[cache_leftpad[b], L)`` as a sequence of
+            ``L - cache_leftpad[b]`` keys. Masks and ALiBi depend only on differences of
+            positions, so they are unchanged; new keys are still written at
+            ``cache_seqlens[b]``. Values are clamped to ``[0, L]``.
         causal: the new tokens attend causally among themselves, aligned to the end of each
             sequence: query ``t`` sees keys ``j <= L - seqlen_q + t``. With cache_seqlens = 3
             and two new tokens appended (L = 5), 1 = visible::
@@ -370,6 +443,9 @@ def flash_attn_with_kvcache(
             (not inside CUDA-graph capture), ``False`` never. Unchecked bad values give
             unspecified results but no out-of-bounds memory access (lengths and page indices
             are clamped; appends that cannot be placed are skipped).
+        backend: ``"auto"`` (default), ``"triton"`` or ``"gluon"`` (``kernels/dispatch.py``):
+            ``"auto"`` takes the Gluon kernel on Hopper for plain attention over paged caches at
+            head dim 128 whose splits read at most 4096 keys, else the Triton kernel.
 
     GQA / MQA: ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV
     head ``h // (num_heads // num_kv_heads)``. The query heads of one KV head are computed
@@ -396,19 +472,24 @@ def flash_attn_with_kvcache(
         ...                               cache_seqlens=cache.cache_seqlens, block_table=cache.block_table)
         >>> cache.advance(1)                                   # cache_seqlens += 1
     """
-    scale = _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
+    key = None
+    if _eager(tensors) and validate is not True:
+        key = ("kvcache", _typed(causal, softmax_scale, softcap, num_splits, return_lse, validate, backend),
+               _window_key(window_size), *[layout(t) for t in tensors])
+        results = _replay(key, tensors)
+        if results is not None:
+            return results if return_lse else results[0]
+    scale = _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
                               softmax_scale, num_splits, return_lse, validate)
     batch, seqlen_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
+    dispatch.check_backend(backend)
     if batch == 0 or seqlen_q == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0:
         out, lse = _empty_results(q, return_lse, sinks)
-    else:
-        out = _empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
-        lse = _empty((batch, num_heads, seqlen_q), torch.float32, q.device) if return_lse else None
-        with _on_device(q):
-            decode.decode_forward(
-                q, k_cache, v_cache, cache_seqlens, block_table, out, lse, k_new=k, v_new=v,
-                causal=causal, softmax_scale=scale, num_splits=num_splits, window_size=window,
-                softcap=cap, alibi_slopes=alibi_slopes, sinks=sinks,
-            )
+        return (out, lse) if return_lse else out
+    scalars = (causal, scale, window[0], window[1], cap, num_splits, return_lse, backend)
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks))
+    out, lse = _run("kvcache_fwd", "flash_attn_with_kvcache", key, tensors, named,
+                    lambda: ops.kvcache_fwd_impl(*tensors, *scalars), lambda: ops.kvcache_fwd(*tensors, *scalars))
     return (out, lse) if return_lse else out

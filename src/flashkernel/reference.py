@@ -287,6 +287,7 @@ def attention_with_kvcache(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     block_table=None,
+    cache_leftpad=None,
     causal: bool = True,
     softmax_scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
@@ -294,6 +295,11 @@ def attention_with_kvcache(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference decode over a cache (see the section comment above); inputs are not modified.
+
+    ``cache_leftpad [B]``: sequence ``b``'s keys start at cache position ``cache_leftpad[b]``
+    (left padding, or a static cache's unused head): it attends positions ``[start, L)`` as a
+    sequence of ``L - start`` keys (masks and ALiBi depend on differences of positions only,
+    so they are unchanged by the shift).
 
     ``window_size``, ``softcap``, ``alibi_slopes`` (``[Hq]`` or ``[B, Hq]``) and ``sinks`` are
     those of :func:`attention`, applied to each sequence's ``T`` queries over its ``L`` keys, so
@@ -308,8 +314,9 @@ def attention_with_kvcache(
     outs, lses = [], []
     for b in range(q.shape[0]):
         length = int(cache_seqlens[b]) + added
-        keys = cache_prefix(k_cache, b, length, block_table)[None]
-        values = cache_prefix(v_cache, b, length, block_table)[None]
+        start = min(int(cache_leftpad[b]), length) if cache_leftpad is not None else 0
+        keys = cache_prefix(k_cache, b, length, block_table)[None, start:]
+        values = cache_prefix(v_cache, b, length, block_table)[None, start:]
         slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         out, lse = attention(q[b:b + 1], keys, values, causal=causal, softmax_scale=softmax_scale,
                              alibi_slopes=slopes, upcast=upcast, **kwargs)

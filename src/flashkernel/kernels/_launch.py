@@ -1,32 +1,41 @@
-"""Kernel launches with less host time: reuse the compiled kernel of an earlier launch.
+"""Kernel launches with little host time: cached compiled kernels, and recorded launch sequences.
 
-A Triton launch (``kernel[grid](*args)``) binds and specializes every argument, builds a cache
-key string and looks the compiled kernel up before it launches; for the ~50-argument decode
-kernel that is a large part of an eager decode step's host time (docs/perf-notes.md). A
+Two mechanisms, one above the other.
+
+**Launcher.** A Triton launch (``kernel[grid](*args)``) binds and specializes every argument,
+builds a cache key string and looks the compiled kernel up before it launches. A
 :class:`Launcher` keeps the compiled kernel of each launch it has seen under a key it computes
-in one pass, and launches later calls with that key through the compiled kernel directly.
+in one pass, and launches later calls through the compiled kernel directly. The key is every
+argument's value, except tensors, which contribute their dtype and whether their address is
+16-byte aligned, and TMA descriptors, which contribute their dtype, block shape, layout and
+padding; plus the launch options, Triton's debug and instrumentation knobs, and the device.
+Whatever Triton specializes on (constexpr values, integers' ``== 1``, ``% 16`` and width,
+tensors' dtype and alignment) is therefore a function of the key, so one key never needs two
+compiled kernels. Integers are keyed by value, more finely than Triton needs; the table is
+cleared when it grows past ``MAX_KEYS``. Not re-checked on the fast path: Triton's
+``pre_run_hooks`` and its test that globals read by the kernel kept their values (ours read
+only constants fixed at import).
 
-The key is every argument's value, except tensors, which contribute their dtype and whether
-their address is 16-byte aligned, and TMA descriptors, which contribute their dtype, block shape,
-layout and padding; plus the launch options (``num_warps``, ``num_stages``, any
-other compile option passed by name), Triton's debug and instrumentation knobs, and the device.
-Not re-checked on the fast path: Triton's ``pre_run_hooks`` and its test that globals read by
-the kernel kept their values (ours read only constants fixed at import, such as
-``decode._PTX_INDEX_LOADS``). Whatever Triton
-specializes on (constexpr values, integers' ``== 1``, ``% 16`` and width, tensors' dtype and
-alignment) is therefore a function of the key, so one key never needs two compiled kernels.
-Integers are keyed by value, more finely than Triton needs: a new stride or batch size costs one
-Triton launch to fill its entry, then runs fast; the table is cleared when it grows past
-``MAX_KEYS``. Other scalars are keyed by type and value (``1``, ``1.0`` and ``True`` are three
-Triton types).
+**Recording.** A whole call (validation, dispatch, one to three launches) is a pure function of
+its tensors' layouts and its scalar arguments, except for the tensors' addresses. Inside
+``with Recorder(inputs) as rec:`` every launch a :class:`Launcher` makes, and every output
+allocated through :func:`allocate`, is recorded; :meth:`Recorder.finish` turns them into a
+:class:`Replay`: each launch's argument list with the tensors replaced by "the address of input
+``i``" (or of output ``j``, or of a pinned internal buffer such as the split-KV workspace).
+``Replay.run(inputs)`` allocates the outputs and calls Triton's compiled C launchers with integer
+addresses, which skips argument binding, specialization and the driver's pointer-attribute query
+of every tensor. A recording that cannot be replayed exactly (an argument that is a view at an
+offset of an input, two inputs at one address, a kernel that needs profiling scratch, no launch)
+gives ``None`` and the caller keeps the slow path for that call.
 
-Under Triton's interpreter, or with ``FLASHKERNEL_FAST_LAUNCH=0`` in the environment, every
-launch goes through ``kernel[grid]`` as usual.
+Under Triton's interpreter, or with ``FLASHKERNEL_FAST_LAUNCH=0`` in the environment (read once,
+at import), every launch goes through ``kernel[grid]`` and nothing is recorded.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from triton import knobs
@@ -46,12 +55,235 @@ def _non_int_key(value):
         # shape and strides are encoded into the tensor map at every launch.
         return (type(value), value.base.dtype, tuple(value.block_shape), getattr(value, "layout", None),
                 getattr(value, "padding", None))
-    return type(value), value  # floats, bools, None, strings: 1.0, True and 1 stay apart
+    return type(value), value  # floats, bools, None, strings, tuples: 1.0, True and 1 stay apart
 
 
 def launch_key(values) -> tuple:
     """The cache key of one launch's argument values (see the module docstring)."""
     return tuple([v if type(v) is int else _non_int_key(v) for v in values])
+
+
+# ---- recording --------------------------------------------------------------------------------
+
+_ACTIVE = threading.local()
+
+
+def _recorder() -> Recorder | None:
+    return getattr(_ACTIVE, "recorder", None)
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty``: the one allocation point of call outputs, recorded or replayed (tests
+    replace it to poison outputs with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def allocate(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """:func:`empty` for a call's outputs and temporaries; recorded while a recording is on."""
+    out = empty(shape, dtype, device)
+    rec = _recorder()
+    if rec is not None:
+        rec.allocations.append(out)
+    return out
+
+
+def pin(buffer: torch.Tensor) -> torch.Tensor:
+    """Declare ``buffer`` a persistent internal buffer (it outlives the call, e.g. the split-KV
+    workspace): a recording keeps it alive and passes its address unchanged on replay."""
+    rec = _recorder()
+    if rec is not None:
+        rec.pinned.append(buffer)
+    return buffer
+
+
+def spoil_recording() -> None:
+    """Mark the call being recorded as not replayable (e.g. it ran autotuning launches)."""
+    rec = _recorder()
+    if rec is not None:
+        rec.spoiled = True
+
+
+class _Address(int):
+    """A device address that also answers ``data_ptr()``, as Triton's launcher asks of a TMA
+    descriptor's base."""
+
+    __slots__ = ()
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _Descriptor:
+    """A host TMA descriptor as Triton's launcher reads it: base, shape, strides, padding."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base, shape, strides, padding):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+
+class Recorder:
+    """Records the launches and allocations of one call (see the module docstring).
+
+    ``inputs`` are the call's tensors (None allowed) in the order :meth:`Replay.run` will get
+    them. Recording is per thread; a recording inside a recording is not supported (the inner
+    one wins until it ends).
+    """
+
+    def __init__(self, inputs):
+        self.inputs = tuple(inputs)
+        self.launches: list = []
+        self.allocations: list[torch.Tensor] = []
+        self.pinned: list[torch.Tensor] = []
+        self.spoiled = not FAST_LAUNCH
+        self._outer = None
+
+    def __enter__(self) -> Recorder:
+        self._outer = _recorder()
+        _ACTIVE.recorder = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.recorder = self._outer
+
+    def add(self, compiled, grid, values, device: int) -> None:
+        self.launches.append((compiled, grid, values, device))
+
+    def finish(self, outputs) -> Replay | None:
+        """The :class:`Replay` of this call, whose results are ``outputs`` (tensors allocated
+        through :func:`allocate`, or None), or None when the call cannot be replayed."""
+        if self.spoiled or not self.launches:
+            return None
+        try:
+            return Replay(self, tuple(outputs))
+        except _NotReplayable:
+            return None
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+def _identify(ptr: int, candidates) -> int:
+    """Index of the one tensor in ``candidates`` whose address is ``ptr``."""
+    found = [i for i, t in enumerate(candidates) if t is not None and t.data_ptr() == ptr]
+    if len(found) != 1:
+        raise _NotReplayable
+    return found[0]
+
+
+class Replay:
+    """The recorded launches of one call, replayable with other tensors of the same layouts."""
+
+    def __init__(self, rec: Recorder, outputs: tuple):
+        inputs = rec.inputs
+        if any(x is not None and not x.is_cuda for x in inputs):
+            raise _NotReplayable
+        alloc_ids = {id(t): i for i, t in enumerate(rec.allocations)}
+        if any(o is not None and id(o) not in alloc_ids for o in outputs):
+            raise _NotReplayable  # an output made some other way (zeros, a copy)
+        self.allocations = tuple((tuple(t.shape), t.dtype, t.device) for t in rec.allocations)
+        self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
+        self.pinned = tuple(rec.pinned)  # kept alive as long as the replay
+        self.num_inputs = len(inputs)
+        pinned_storages = {p.untyped_storage().data_ptr() for p in rec.pinned}
+        everything = inputs + tuple(rec.allocations)
+        self.device = rec.launches[0][3]
+        self.launches = tuple(self._launch_template(c, g, v, d, everything, pinned_storages)
+                              for c, g, v, d in rec.launches)
+
+    def _launch_template(self, compiled, grid, values, device, tensors, pinned_storages):
+        if device != self.device:
+            raise _NotReplayable
+        runner = compiled.run  # Triton's CudaLauncher (built on first use)
+        if not hasattr(runner, "launch") or getattr(runner, "profile_scratch_size", 0) > 0:
+            raise _NotReplayable  # another Triton's launcher, or instrumentation
+        args, slots, descriptors = list(values), [], []
+        for i, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                ptr = value.data_ptr()
+                if value.untyped_storage().data_ptr() in pinned_storages:
+                    args[i] = ptr  # a pinned buffer: its address is part of the replay
+                else:
+                    slots.append((i, _identify(ptr, tensors)))
+            elif hasattr(value, "block_shape") and hasattr(value, "base"):
+                descriptors.append((i, _identify(value.base.data_ptr(), tensors),
+                                    list(value.shape), list(value.strides), value.padding))
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        scratch = getattr(runner, "global_scratch_size", 0) * grid[0] * grid[1] * grid[2] * runner.num_ctas
+        head = (runner.launch, grid, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
+                compiled.packed_metadata)
+        return head, tuple(args), tuple(slots), tuple(descriptors), scratch
+
+    def run(self, inputs):
+        """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
+        recorded device); returns the outputs as the recorded call did."""
+        if driver.active.get_current_device() != self.device:
+            with torch.cuda.device(self.device):
+                return self._run(inputs)
+        return self._run(inputs)
+
+    def _run(self, inputs):
+        allocated = [empty(shape, dtype, device) for shape, dtype, device in self.allocations]
+        addresses = [None if x is None else x.data_ptr() for x in inputs]
+        addresses.extend(t.data_ptr() for t in allocated)
+        stream = driver.active.get_current_stream(self.device)
+        for (launch, grid, function, coop, pdl, metadata), template, slots, descriptors, scratch in self.launches:
+            args = list(template)
+            for i, j in slots:
+                args[i] = addresses[j]
+            for i, j, shape, strides, padding in descriptors:
+                args[i] = _Descriptor(_Address(addresses[j]), shape, strides, padding)
+            scratch_buf = torch.empty(scratch, dtype=torch.uint8, device=inputs[0].device) if scratch else None
+            launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, scratch_buf, None, metadata, None,
+                   None, None, *args)
+        return tuple(None if j is None else allocated[j] for j in self.outputs)
+
+
+def replay_allowed() -> bool:
+    """Whether recorded launches may replay now: no Triton launch hooks (profilers) are set."""
+    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+
+
+def layout(t: torch.Tensor | None):
+    """What a recorded call depends on in a tensor besides its address: shape, strides, dtype,
+    device and the address's alignment (Triton specializes on 16-byte alignment). None for None."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+class CallCache:
+    """Replays of recorded calls, by key (the caller's: its name, the :func:`layout` of each
+    tensor and every scalar argument). Bounded: cleared when it grows past ``max_entries``."""
+
+    def __init__(self, max_entries: int = 1024):
+        self.max_entries = max_entries
+        self._replays: dict = {}
+
+    def get(self, key) -> Replay | None:
+        return self._replays.get(key)
+
+    def record(self, key, inputs, run):
+        """``run()`` under a :class:`Recorder` of ``inputs``; keeps the replay when there is one.
+        ``run`` returns a tuple of output tensors (None allowed), which is returned."""
+        with Recorder(inputs) as rec:
+            outputs = run()
+        replay = rec.finish(outputs)
+        if replay is not None:
+            if len(self._replays) >= self.max_entries:
+                self._replays.clear()
+            self._replays[key] = replay
+        return outputs
+
+    def clear(self) -> None:
+        self._replays.clear()
+
+    def __len__(self) -> int:
+        return len(self._replays)
+
+
+# ---- the launcher -----------------------------------------------------------------------------
 
 
 class Launcher:
@@ -73,6 +305,7 @@ class Launcher:
         if num_stages is not None:
             options["num_stages"] = num_stages
         if not FAST_LAUNCH or self.interpreted:
+            spoil_recording()
             return self.kernel[grid](*args, **named, **options)
         values = args + tuple([named[name] for name in self.names[len(args):]])
         device = driver.active.get_current_device()
@@ -86,10 +319,13 @@ class Launcher:
             if len(self.compiled) >= MAX_KEYS:
                 self.compiled.clear()
             self.compiled[key] = compiled
-            return compiled
-        stream = driver.active.get_current_stream(device)
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *values),
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+        else:
+            stream = driver.active.get_current_stream(device)
+            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                         stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata(grid, stream, *values),
+                         knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+        rec = _recorder()
+        if rec is not None:
+            rec.add(compiled, grid, values, device)
         return compiled

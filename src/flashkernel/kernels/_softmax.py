@@ -98,20 +98,21 @@ class Variant:
         """Keyword arguments shared by the prefill and decode kernels for this variant.
 
         ``unused`` is any tensor on the device, passed as the pointer of absent operands.
+        ``alibi_strides`` is ``(batch, head)`` (batch 0 for per-head slopes).
         """
         window_left, window_right = self.window_args(max_seqlen_q, max_seqlen_k)
         slopes = self.alibi_slopes
         if slopes is None:
-            slopes_arg, stride_ab, stride_ah = unused, 0, 0
+            slopes_arg, alibi_strides = unused, (0, 0)
         elif slopes.dim() == 1:
-            slopes_arg, stride_ab, stride_ah = slopes, 0, slopes.stride(0)
+            slopes_arg, alibi_strides = slopes, (0, slopes.stride(0))
         else:
-            slopes_arg, stride_ab, stride_ah = slopes, slopes.stride(0), slopes.stride(1)
+            slopes_arg, alibi_strides = slopes, (slopes.stride(0), slopes.stride(1))
         sinks = self.sinks
         cap = self.softcap
         return dict(
             Slopes=slopes_arg, Sinks=sinks if sinks is not None else unused,
-            stride_ab=stride_ab, stride_ah=stride_ah, stride_sh=sinks.stride(0) if sinks is not None else 0,
+            alibi_strides=alibi_strides, sink_stride=sinks.stride(0) if sinks is not None else 0,
             window_left=window_left, window_right=window_right,
             # softcap * tanh(x / softcap) in log2 units: out - 2 * out / (1 + exp2(qk * in))
             softcap_in=2.0 * softmax_scale * LOG2E / cap if cap > 0 else 0.0,

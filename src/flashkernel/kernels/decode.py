@@ -1,4 +1,4 @@
-"""Decode over a KV cache: a few new query tokens per sequence attend to a long cache.
+"""Decode over a KV cache in Triton: a few new query tokens per sequence attend to a long cache.
 
 Three kernels, launched in this order by :func:`decode_forward`:
 
@@ -25,17 +25,23 @@ K/V loads multi-buffered (:func:`_load_page_index`). All cache offsets are int64
 Causal masking among the new tokens is aligned bottom-right: with ``L = cache_seqlens[b] + T``
 (``+ 0`` when nothing is appended), new token ``t`` sees keys ``j <= L - T + t``.
 
-Variants (``kernels/_softmax.py``; ``_decode_variant_kernel``, the plain ``_decode_kernel``
-keeps the code and launch arguments of before them): a window is aligned to each sequence's end
-(new token ``t`` has position ``L - T + t``), and the splits share out only the window's span of
-tiles, so a step reads about ``left + T`` keys whatever ``L``. Softcap and ALiBi modify the
-scores of each row (ALiBi's slope is the row's query head's). A sink starts split 0's running
-max and sum, so the combine counts it exactly once.
+Features, each a constexpr (a call without one compiles none of its code; ``kernels/_softmax.py``
+holds the score modifiers): a window is aligned to each sequence's end (new token ``t`` has
+position ``L - T + t``), and the splits share out only the window's span of tiles, so a step
+reads about ``left + T`` keys whatever ``L``. Softcap and ALiBi modify the scores of each row
+(ALiBi's slope is the row's query head's). A sink starts split 0's running max and sum, so the
+combine counts it exactly once. A per-sequence key start (``HAS_START``, ``cache_leftpad``)
+makes sequence ``b`` attend cache positions ``[start_b, L)``: the kernel works in positions
+relative to the start (masks and ALiBi depend only on differences of positions) and adds it
+back when it addresses the cache, so the splits share out only the keys that exist.
 
-Robustness without host synchronisation: lengths are clamped to ``[0, capacity]`` and page
-indices read from the block table to ``[0, num_blocks)``, so bad values (when the caller did
-not validate them) give wrong numbers, never out-of-bounds accesses; the append kernel skips
-slots it cannot address instead of clamping them.
+Robustness without host synchronisation: lengths are clamped to ``[0, capacity]``, starts to
+``[0, length]``, and page indices read from the block table to ``[0, num_blocks)``, so bad
+values (when the caller did not validate them) give wrong numbers, never out-of-bounds
+accesses; the append kernel skips slots it cannot address instead of clamping them.
+
+Tile shapes and the split rules are data (``tuned/decode.json``, read by ``tuning.py`` into a
+:class:`tuning.DecodeTuning` that :func:`decode_forward` takes explicitly).
 
 Also here: :func:`baseline_decode`, the straightforward kernel (one program per query head, no
 split, no GQA sharing, every tile masked), kept for benchmarks so each technique's gain shows.
@@ -46,71 +52,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, optional_kernel_module,
-                      padded_head_dim)
-from ._launch import Launcher
+from . import tuning
+from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
+from ._launch import Launcher, pin
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .combine import combine
+from .tuning import DecodeConfig, DecodeTuning
 
 LOG2E = math.log2(math.e)
 
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-# Tile and launch parameters for an H200 (bf16/fp16), keyed by padded head dim: a K and a V tile
-# of BLOCK_N x D per pipeline stage. Head dim 128 was swept (`benchmarks/decode.py
-# --sweep-configs`, docs/perf-notes.md); the other head dims are starting points.
-CONTIGUOUS_TABLE = {
-    16: DecodeConfig(128, 4, 3),
-    32: DecodeConfig(128, 4, 3),
-    64: DecodeConfig(128, 4, 3),
-    128: DecodeConfig(128, 4, 3),
-    256: DecodeConfig(32, 4, 3),
-}
-# Paged caches. Pages of at least LARGE_PAGE keys hold whole tiles of the contiguous table: one
-# look-up per tile, read like the contiguous cache, with its tiles and split rule. Smaller pages
-# look a page up per key and take 64-key tiles (the table's 128-key tiles with two buffers lose
-# 3-20%). Measured at B = 1, 8, 64 on the H200: docs/perf-notes.md "Paged decode".
-LARGE_PAGE = 128
-LARGE_PAGE_TABLE = CONTIGUOUS_TABLE
-SMALL_PAGE_TABLE = {**CONTIGUOUS_TABLE, 128: DecodeConfig(64, 4, 3)}
-INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
-
-# Auto splits aim for one program per SM; over small pages, two once each split still reads at
-# least SMALL_PAGE_TWO_WAVE_TOKENS keys (more look-ups and loads in flight per SM: B=1, 32k, 33
-# splits 51.7 us against 16 splits 54.5; B=1, 4k, 16 splits 17.9 us against 32 splits 18.6).
-SMALL_PAGE_TWO_WAVE_TOKENS = 512
-MIN_SPLIT_TOKENS = 64  # auto splits give each split at least this much of the capacity
-# ... where the short-context rules below were measured (bf16/fp16, head dim <= 128); elsewhere
-# the earlier floor stays.
-UNMEASURED_MIN_SPLIT_TOKENS = 256
-# Short work per program (measured at 1k contexts, docs/perf-notes.md "Short contexts"): splits
-# of at most SHORT_SPLIT_TOKENS keys use SHORT_BLOCK_N-key tiles (B=1, 1k: 16 splits of one
-# 64-key tile, 12.0 us, against 4 splits of 128-key tiles, 13.4 us; B=1, 4k: 16 splits of
-# 256 keys in 64-key tiles 16.6 us, in 128-key tiles 17.4); a contiguous-cache grid of
-# more than one wave whose programs read at most MULTI_WAVE_MAX_TOKENS keys uses the small
-# MULTI_WAVE_CONFIG, 64 KB of shared memory, so three programs share an SM and one's start
-# hides another's end (B=64, 1k: 77.7 us against 82.6). So does a paged one; over small pages
-# whatever the programs' length (B=64, 4k, pages of 16: 256.6 us against 299.0).
-SHORT_SPLIT_TOKENS = 256
-SHORT_BLOCK_N = 64
-MULTI_WAVE_MAX_TOKENS = 2048
-MULTI_WAVE_CONFIG = DecodeConfig(32, 4, 4)
-MAX_AUTO_SPLITS = 128
-INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; a small count still exercises splitting
-MAX_TILE_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}  # row tile cap per padded D
+# Structural limits (not tuning): the row tile's height per padded head dim (the fp32
+# accumulator of BLOCK_M x D must fit in registers), and the append kernel's tile.
+MAX_TILE_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}
 APPEND_TILE_ELEMENTS = 4096
+INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
+INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; a small count still exercises splitting
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,29 +105,37 @@ _PTX_INDEX_LOADS = tl.constexpr(not is_interpreted(_load_page_index))  # no PTX 
 
 @triton.jit
 def _cache_rows(
-    bt_row, stride_btn, batch, start_n, keys, length, num_blocks,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    bt_row, stride_btn, batch, start_n, keys, length, num_blocks, key_start,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_START: tl.constexpr,
 ):
     """Block and slot of each key of the tile at ``start_n``: key j is at ``cache[block, slot]``.
 
-    ``block`` is an int64 scalar (contiguous cache, or pages >= BLOCK_N: one page per tile) or
-    an int64 vector (pages < BLOCK_N: one look-up per key). ``slot`` is an int64 vector.
+    ``keys`` and ``length`` count from the sequence's key start; the cache position of key
+    ``j`` is ``j + key_start`` (``HAS_START``) or ``j``. ``block`` is an int64 scalar
+    (contiguous cache, or pages >= BLOCK_N without a start: one page per tile) or an int64
+    vector (one look-up per key). ``slot`` is an int64 vector.
     """
+    if HAS_START:
+        pos = keys + key_start
+    else:
+        pos = keys
     if PAGE_SIZE == 0:
         block = batch
-        slot = keys.to(tl.int64)
+        slot = pos.to(tl.int64)
     else:
         # Columns are clamped to the last key's (<= capacity / PAGE_SIZE - 1): keys past the end
         # are masked later, and the pipeliner runs look-ups of tiles past the split's end too.
         # (Clamping the column, not the key, keeps the keys of one page on one address: a quarter
         # of the look-ups at pages of 16.)
         last = tl.maximum(length - 1, 0)
-        if PAGE_SIZE >= BLOCK_N:
+        if PAGE_SIZE >= BLOCK_N and not HAS_START:
             block = _load_page_index(bt_row + (tl.minimum(start_n, last) // PAGE_SIZE) * stride_btn)
         else:
-            block = _load_page_index(bt_row + tl.minimum(keys // PAGE_SIZE, last // PAGE_SIZE) * stride_btn)
+            if HAS_START:
+                last = last + key_start
+            block = _load_page_index(bt_row + tl.minimum(pos // PAGE_SIZE, last // PAGE_SIZE) * stride_btn)
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
-        slot = (keys % PAGE_SIZE).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
     return block, slot
 
 
@@ -175,11 +144,12 @@ def _attend_cache_tile(
     acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
     stride_kb, stride_ks, stride_vb, stride_vs,
     start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
-    window_left, window_right, softcap_in, softcap_out, alibi_rows,
+    window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_START: tl.constexpr,
 ):
     """One online-softmax step over keys ``start_n .. start_n + BLOCK_N - 1`` of the cache.
 
@@ -188,8 +158,8 @@ def _attend_cache_tile(
     causal range or window: row token ``t`` has position ``t + causal_shift`` (``_softmax``).
     """
     keys = start_n + offs_n
-    block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks,
-                              PAGE_SIZE, BLOCK_N)
+    block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks, key_start,
+                              PAGE_SIZE, BLOCK_N, HAS_START)
     k_ptrs = K + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
     v_ptrs = V + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
     if MASKED:
@@ -241,14 +211,14 @@ def _store_rows(
 
 @triton.jit
 def _decode_program(
-    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
+    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_btb, stride_btn, stride_sl,
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
-    stride_ab, stride_ah, stride_sh,
+    stride_ab, stride_ah, stride_sh, stride_st,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
@@ -256,7 +226,7 @@ def _decode_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Program id -> (batch, kv_head, split, row tile), row tile fastest, in one grid axis.
@@ -270,6 +240,12 @@ def _decode_program(
 
     length = tl.load(SeqLens + batch * stride_sl) + appended
     length = tl.minimum(tl.maximum(length, 0), capacity)
+    if HAS_START:
+        # Keys [key_start, length) of the cache, counted from key_start from here on.
+        key_start = tl.minimum(tl.maximum(tl.load(Starts + batch * stride_st), 0), length)
+        length = length - key_start
+    else:
+        key_start = 0
     causal_shift = length - seqlen_new  # token t sees keys j <= t + causal_shift
 
     offs_r = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -319,7 +295,7 @@ def _decode_program(
     if HAS_SINKS:
         # The sink joins the denominator once: split 0 starts from max = sink, sum = 1; the
         # other splits start empty, and the combine merges them exactly.
-        sink = tl.load(Sinks + row_head.to(tl.int64) * stride_sh) * 1.4426950408889634
+        sink = tl.load(Sinks + row_head.to(tl.int64) * stride_sh).to(tl.float32) * 1.4426950408889634
         m_i = tl.where(split == 0, sink, float("-inf"))
         l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
@@ -332,27 +308,27 @@ def _decode_program(
                 acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
                 stride_kb, stride_ks, stride_vb, stride_vs,
                 start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
-                window_left, window_right, softcap_in, softcap_out, alibi_rows,
+                window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
                 HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START,
             )
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i = _attend_cache_tile(
             acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
             stride_kb, stride_ks, stride_vb, stride_vs,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
-            window_left, window_right, softcap_in, softcap_out, alibi_rows,
+            window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, CAUSAL, DOT_F32, DOT_PRECISION,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START,
         )
     for start_n in range(mid_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_cache_tile(
             acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
             stride_kb, stride_ks, stride_vb, stride_vs,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
-            window_left, window_right, softcap_in, softcap_out, alibi_rows,
+            window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START,
         )
 
     _store_rows(
@@ -363,53 +339,14 @@ def _decode_program(
     )
 
 
-# Two entry points, one body: the plain kernel keeps the launch arguments it had before the
-# variants (no extra host-side binding per decode step) and compiles to the same code; the
-# variant kernel takes the window, softcap, ALiBi and sink arguments.
-@triton.jit
-def _decode_kernel(
-    Q, K, V, BlockTable, SeqLens, Out, Lse,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_btb, stride_btn, stride_sl,
-    stride_os, stride_ob, stride_ot, stride_oh,
-    stride_ls, stride_lb, stride_lh, stride_lt,
-    seqlen_new, appended, capacity, num_blocks,
-    num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    _decode_program(
-        Q, K, V, BlockTable, SeqLens, Out, Lse, Q, Q,
-        stride_qb, stride_qt, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_btb, stride_btn, stride_sl,
-        stride_os, stride_ob, stride_ot, stride_oh,
-        stride_ls, stride_lb, stride_lh, stride_lt,
-        0, 0, 0,
-        seqlen_new, appended, capacity, num_blocks,
-        num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
-        0, 0, 0.0, 0.0,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
-        False, False, False, False,
-        DOT_F32, DOT_PRECISION,
-    )
-
-
+# One kernel for every call: each feature is a constexpr, so a plain call compiles none of the
+# variants' code (``benchmarks/tools/plain_ptx.py`` checks its PTX body against the plain
+# kernel's before the variants). Strides travel as one tuple per tensor.
 @triton.jit(do_not_specialize=["window_left", "window_right"])
-def _decode_variant_kernel(
-    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_btb, stride_btn, stride_sl,
-    stride_os, stride_ob, stride_ot, stride_oh,
-    stride_ls, stride_lb, stride_lh, stride_lt,
-    stride_ab, stride_ah, stride_sh,
+def _decode_kernel(
+    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+    q_strides, k_strides, v_strides, bt_strides, seqlens_stride,
+    o_strides, lse_strides, alibi_strides, sink_stride, start_stride,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
@@ -417,23 +354,26 @@ def _decode_variant_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Grid ``(B * Hkv * splits * row tiles,)``. Strides: ``q (b, t, h)``, caches ``(block or
+    b, slot, h)``, block table ``(b, column)``, outputs ``(split, b, t, h)``, LSE ``(split, b,
+    h, t)``, ALiBi ``(b, h)``."""
     _decode_program(
-        Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks,
-        stride_qb, stride_qt, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_btb, stride_btn, stride_sl,
-        stride_os, stride_ob, stride_ot, stride_oh,
-        stride_ls, stride_lb, stride_lh, stride_lt,
-        stride_ab, stride_ah, stride_sh,
+        Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+        q_strides[0], q_strides[1], q_strides[2],
+        k_strides[0], k_strides[1], k_strides[2],
+        v_strides[0], v_strides[1], v_strides[2],
+        bt_strides[0], bt_strides[1], seqlens_stride,
+        o_strides[0], o_strides[1], o_strides[2], o_strides[3],
+        lse_strides[0], lse_strides[1], lse_strides[2], lse_strides[3],
+        alibi_strides[0], alibi_strides[1], sink_stride, start_stride,
         seqlen_new, appended, capacity, num_blocks,
         num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
         window_left, window_right, softcap_in, softcap_out,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_START,
         DOT_F32, DOT_PRECISION,
     )
 
@@ -483,9 +423,9 @@ def _baseline_kernel(
             acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
             stride_kb, stride_ks, stride_vb, stride_vs,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
-            0, 0, 0.0, 0.0, 0.0,
+            0, 0, 0.0, 0.0, 0.0, 0,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
-            False, False, False,
+            False, False, False, False,
         )
     _store_rows(
         Out, Lse, acc, l_i, m_i, 0, batch, row_token, row_head, row_ok, offs_d,
@@ -546,7 +486,6 @@ def _append_kernel(
 
 _launch_append = Launcher(_append_kernel)
 _launch_decode = Launcher(_decode_kernel)
-_launch_decode_variant = Launcher(_decode_variant_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,18 +504,14 @@ class CacheGeometry:
         return CacheGeometry(page_size, block_table.shape[1] * page_size, k_cache.shape[0])
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size: int = 0) -> DecodeConfig:
-    """Tile and launch parameters for one call (a table look-up, no autotuning).
-
-    ``page_size`` is 0 for a contiguous cache.
-    """
+def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size: int = 0,
+                tuned: DecodeTuning | None = None) -> DecodeConfig:
+    """Tile and launch parameters for one call: the tuning's table entry (no autotuning).
+    ``page_size`` is 0 for a contiguous cache."""
     if interpreted:
         return INTERPRETER_CONFIG
-    if page_size == 0:
-        table = CONTIGUOUS_TABLE
-    else:
-        table = LARGE_PAGE_TABLE if page_size >= LARGE_PAGE else SMALL_PAGE_TABLE
-    config = table[padded_head_dim(head_dim)]
+    tuned = tuned or tuning.decode_tuning(None)
+    config = tuned.table(page_size)[padded_head_dim(head_dim)]
     if dtype == torch.float32:
         return DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
     return config
@@ -584,18 +519,19 @@ def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size:
 
 @functools.lru_cache(maxsize=1024)
 def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: int, page_size: int,
-               head_dim: int, waves: int = 1) -> DecodeConfig:
+               head_dim: int, waves: int = 1, tuned: DecodeTuning | None = None) -> DecodeConfig:
     """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
     the ones measured): short splits get short tiles; grids of more than the planned ``waves``
     of programs (the batch alone fills the GPU) get, when the programs are short (or the pages
     small), a config that fits three programs per SM."""
+    tuned = tuned or tuning.decode_tuning(None)
     if padded_head_dim(head_dim) > 128:
         return config
-    small_pages = 0 < page_size < LARGE_PAGE
-    if grid > waves * sms and (tokens_per_program <= MULTI_WAVE_MAX_TOKENS or small_pages):
-        return MULTI_WAVE_CONFIG
-    if tokens_per_program <= SHORT_SPLIT_TOKENS and config.block_n > SHORT_BLOCK_N:
-        return dataclasses.replace(config, block_n=SHORT_BLOCK_N)
+    small_pages = 0 < page_size < tuned.large_page
+    if grid > waves * sms and (tokens_per_program <= tuned.multi_wave_max_tokens or small_pages):
+        return tuned.multi_wave_config
+    if tokens_per_program <= tuned.short_split_tokens and config.block_n > tuned.short_block_n:
+        return dataclasses.replace(config, block_n=tuned.short_block_n)
     return config
 
 
@@ -626,29 +562,34 @@ def attended_span(variant: Variant, capacity: int, seqlen_new: int, tile_tokens:
     return min(capacity, left + min(tile_tokens, seqlen_new) + right + block_n)
 
 
-def waves_for(page_size: int, programs: int, capacity: int, sms: int) -> int:
+def waves_for(page_size: int, programs: int, capacity: int, sms: int, tuned: DecodeTuning | None = None) -> int:
     """Programs per SM the automatic split count aims for (``page_size`` 0: contiguous)."""
-    if page_size == 0 or page_size >= LARGE_PAGE:
+    tuned = tuned or tuning.decode_tuning(None)
+    if page_size == 0 or page_size >= tuned.large_page:
         return 1
     two_wave_splits = max(1, (2 * sms) // max(programs, 1))
-    return 2 if capacity // two_wave_splits >= SMALL_PAGE_TWO_WAVE_TOKENS else 1
+    return 2 if capacity // two_wave_splits >= tuned.small_page_two_wave_tokens else 1
 
 
 def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool,
-                    page_size: int = 0, min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
+                    page_size: int = 0, min_split_tokens: int | None = None,
+                    tuned: DecodeTuning | None = None) -> int:
     """Splits for ``programs`` (batch x kv heads x row tiles) programs: a wave or two per SM.
 
     Depends on shapes only (no look at the lengths, so no host sync). Each split gets at least
-    ``min_split_tokens`` (one tile when interpreted) of the capacity.
+    ``min_split_tokens`` (default the tuning's; one tile when interpreted) of the capacity.
     """
-    waves = waves_for(page_size, programs, capacity, sms)
+    tuned = tuned or tuning.decode_tuning(None)
+    if min_split_tokens is None:
+        min_split_tokens = tuned.min_split_tokens
+    waves = waves_for(page_size, programs, capacity, sms, tuned)
     # Round down: one program past a whole wave costs a second, nearly empty wave (a decode
     # program holds a whole SM's shared memory). B=1, 131k: 17 splits x 8 = 136 programs on 132
     # SMs ran at 2.75 TB/s, 16 splits at 3.92.
     wanted = (waves * sms) // max(programs, 1)
     min_tokens = block_n if interpreted else max(block_n, min_split_tokens)
     by_context = max(1, cdiv(capacity, min_tokens))
-    return max(1, min(wanted, by_context, MAX_AUTO_SPLITS))
+    return max(1, min(wanted, by_context, tuned.max_auto_splits))
 
 
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -668,7 +609,7 @@ def workspace(device: torch.device, numel: int) -> torch.Tensor:
     if buf is None:
         buf = _new_workspace(bucket, device)
         _WORKSPACES[key] = buf
-    return buf[:numel]
+    return pin(buf)[:numel]
 
 
 def _new_workspace(numel: int, device: torch.device) -> torch.Tensor:
@@ -680,10 +621,17 @@ def clear_workspaces() -> None:
     _WORKSPACES.clear()
 
 
-def _block_table_args(block_table, cache_seqlens):
+def block_table_args(block_table, cache_seqlens):
+    """``(pointer, (stride_b, stride_column))`` of the block table; ``cache_seqlens`` stands in
+    as an unused pointer for a contiguous cache."""
     if block_table is None:
-        return cache_seqlens, 0, 0  # an unused pointer
-    return block_table, block_table.stride(0), block_table.stride(1)
+        return cache_seqlens, (0, 0)
+    return block_table, (block_table.stride(0), block_table.stride(1))
+
+
+def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
+    s = x.stride()
+    return s[0], s[1], s[2]
 
 
 def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> None:
@@ -695,7 +643,7 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> Non
     block_d = padded_head_dim(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, APPEND_TILE_ELEMENTS // block_d))
     num_head_blocks = cdiv(num_kv_heads, block_h)
-    bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
+    bt, (stride_btb, stride_btn) = block_table_args(block_table, cache_seqlens)
     _launch_append((batch * seqlen_new * num_head_blocks,),
         k_new, v_new, k_cache, v_cache, bt, cache_seqlens,
         k_new.stride(0), k_new.stride(1), k_new.stride(2),
@@ -709,76 +657,8 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> Non
     )
 
 
-# The Gluon kernel (kernels/decode_gluon.py) for plain decode on Hopper
-GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
-# Where it runs by default: paged caches (pages of >= 16 keys) at head dim 128 (the measured one),
-# when each work item (a split of one sequence and KV head) reads at most GLUON_MAX_ITEM_TOKENS
-# keys. Measured against the Triton kernel in the same runs (H200, graph replays,
-# docs/perf-notes.md "Sixth session"): over pages of 16 and 256 at B=1 2-7% faster (1k: 12.3
-# against 13.2 us); over contiguous caches 1-5% faster at B=1 4k, B=8 1k/4k, B=64 1k/4k, but
-# an eager call costs 25-45 us more host time (two TMA descriptors encoded per launch, ~60% more
-# than the Triton path), which at those shapes is more than the GPU gains; contiguous caches,
-# which eager callers use, stay on the Triton kernel. Serving engines replay paged steps as CUDA
-# graphs, where the host time is gone.
-GLUON_MAX_ITEM_TOKENS = 4096
-GLUON_HEAD_DIMS = (128,)
-
-
-def _gluon_module():
-    """``kernels.decode_gluon``, or None where it cannot be imported (another Triton version)."""
-    return optional_kernel_module("decode_gluon")
-
-
-def _gluon_supported(q, k_cache, v_cache, geometry: CacheGeometry) -> bool:
-    gluon = _gluon_module()
-    return gluon is not None and gluon.supported(q, k_cache, v_cache, geometry.page_size)
-
-
-def gluon_num_splits(programs: int, capacity: int, sms: int, block_n: int) -> int:
-    """Automatic splits for the Gluon kernel: one wave of work items, each at least a tile."""
-    return max(1, min(sms // max(programs, 1), cdiv(capacity, max(block_n, MIN_SPLIT_TOKENS)), MAX_AUTO_SPLITS))
-
-
-def gluon_wanted(page_size: int, head_dim: int, tokens_per_item: int) -> bool:
-    """Whether the Gluon kernel is the default for a supported call (see ``GLUON_MAX_ITEM_TOKENS``;
-    ``page_size`` 0: contiguous cache)."""
-    return page_size > 0 and head_dim in GLUON_HEAD_DIMS and tokens_per_item <= GLUON_MAX_ITEM_TOKENS
-
-
-def _gluon_splits(q, k_cache, geometry: CacheGeometry, num_splits: int) -> int:
-    if num_splits:
-        return num_splits
-    config = _gluon_module().CONFIGS[q.shape[-1]]
-    return gluon_num_splits(q.shape[0] * k_cache.shape[2], geometry.capacity, sm_count(q.device, False),
-                            config.block_n)
-
-
-def use_gluon(q, k_cache, v_cache, geometry: CacheGeometry, plain: bool, interpreted: bool, num_splits: int) -> bool:
-    """Run this decode step through the Gluon kernel by default?"""
-    if not (GLUON_ENABLED and plain) or interpreted or not gluon_wanted(geometry.page_size, q.shape[-1], 0):
-        return False  # the cheap tests first: a contiguous step pays ~1 us here
-    if not _gluon_supported(q, k_cache, v_cache, geometry):
-        return False
-    splits = _gluon_splits(q, k_cache, geometry, num_splits)
-    return gluon_wanted(geometry.page_size, q.shape[-1], cdiv(geometry.capacity, splits))
-
-
-def _gluon_decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, geometry: CacheGeometry, *,
-                  causal: bool, softmax_scale: float, num_splits: int, appended: int) -> None:
-    """The attention part of :func:`decode_forward` through ``decode_gluon`` (append done)."""
-    gluon = _gluon_module()
-    num_splits = _gluon_splits(q, k_cache, geometry, num_splits)
-    target, target_lse, o_strides, l_strides = _split_targets(q, out, lse, num_splits)
-    gluon.launch(q, k_cache, v_cache, cache_seqlens, block_table, target, target_lse, o_strides, l_strides,
-                 appended=appended, capacity=geometry.capacity, num_blocks=geometry.num_blocks,
-                 page_size=geometry.page_size, num_splits=num_splits, causal=causal,
-                 softmax_scale=softmax_scale, config=gluon.CONFIGS[q.shape[-1]], sms=sm_count(q.device, False))
-    if num_splits > 1:
-        combine(target, target_lse, out, lse)
-
-
-def _split_targets(q, out, lse, num_splits):
-    """Where the decode kernel writes: ``out``/``lse`` with one split, else fp32 partials
+def split_targets(q, out, lse, num_splits):
+    """Where a decode kernel writes: ``out``/``lse`` with one split, else fp32 partials
     ``[S, B, T, Hq, D]`` and their LSE ``[S, B, Hq, T]`` in the cached workspace. Returns
     ``(target, target_lse, o_strides, l_strides)``, the strides with a split stride first."""
     batch, seqlen_new, num_heads, head_dim = q.shape
@@ -803,8 +683,7 @@ def decode_forward(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     *,
-    k_new: torch.Tensor | None = None,
-    v_new: torch.Tensor | None = None,
+    appended: int,
     causal: bool,
     softmax_scale: float,
     num_splits: int = 0,
@@ -813,106 +692,68 @@ def decode_forward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    backend: str | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    tuned: DecodeTuning | None = None,
 ) -> None:
-    """Append ``k_new, v_new`` (if given), then attend; writes ``out`` and ``lse`` (or None).
+    """Attend ``q`` to the cache (new keys already appended: ``appended`` of them, 0 or T);
+    writes ``out`` and ``lse`` (or None).
 
     Shapes: ``q [B, T, Hq, D]``, caches as in the module docstring, ``cache_seqlens [B]``
-    int32, ``out [B, T, Hq, D]``, ``lse [B, Hq, T]`` float32. Inputs are validated by the
-    caller; B, T >= 1. ``num_splits`` 0 picks from the SM count and the capacity (with a
-    window bounded on the left: from the window's span instead, see :func:`attended_span`).
-    The variant arguments are those of ``flash_attn_with_kvcache``; the window is aligned to
-    each sequence's end, and a sink joins split 0 only, so the combine counts it once.
-    ``backend``: ``"triton"`` (this file's kernel), ``"gluon"`` (``decode_gluon.py``: plain
-    attention on Hopper, see its ``supported``; ValueError elsewhere) or None: Gluon where
-    :func:`use_gluon` says so, else Triton. ``config`` applies to the Triton kernel only.
+    int32, ``out [B, T, Hq, D]``, ``lse [B, Hq, T]`` float32, ``cache_leftpad [B]`` int32 or
+    None. Inputs are validated by the caller; B, T >= 1. ``num_splits`` 0 picks from the SM
+    count and the capacity (with a window bounded on the left: from the window's span instead,
+    see :func:`attended_span`). The variant arguments are those of ``flash_attn_with_kvcache``.
+    ``config`` overrides the tuned tile; ``tuned`` the tuning (default: the device's).
     """
     interpreted = is_interpreted(_decode_kernel)
-    if backend not in (None, "triton", "gluon"):
-        raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
-    if k_new is not None:
-        append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
     batch, seqlen_new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     geometry = CacheGeometry.of(k_cache, block_table)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
-    plain = variant.is_plain
-    if backend == "gluon" or (backend is None and config is None
-                              and use_gluon(q, k_cache, v_cache, geometry, plain, interpreted, num_splits)):
-        if backend == "gluon" and not (plain and not interpreted and _gluon_supported(q, k_cache, v_cache, geometry)):
-            raise ValueError("backend='gluon': this call is not supported by the Gluon decode kernel "
-                             "(plain attention, Hopper GPU, bf16/fp16, head dim 64/128/256, group * T <= 16, "
-                             f"pages of >= 16 keys, TMA-aligned caches); use backend='triton' or None")
-        _gluon_decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, geometry, causal=causal,
-                      softmax_scale=softmax_scale, num_splits=num_splits, appended=seqlen_new if k_new is not None else 0)
-        return
-    tuned = config is None
-    if tuned:
-        config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size)
+    if tuned is None:
+        tuned = tuning.decode_tuning(q.device if not interpreted else None)
+    from_table = config is None
+    if from_table:
+        config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size, tuned)
     group = num_heads // num_kv_heads
     block_m = pick_block_m(group * seqlen_new, head_dim)
     num_row_tiles = cdiv(group * seqlen_new, block_m)
     programs = batch * num_kv_heads * num_row_tiles
-    span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1,
-                         config.block_n)
+    span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1, config.block_n)
     sms = sm_count(q.device, interpreted)
     # The short-context rules (fit_config) hold where they were measured: tuned bf16/fp16 configs
-    # at head dims <= 128. Their splits may be as short as one SHORT_BLOCK_N tile.
-    short_rules = (tuned and not interpreted and q.dtype != torch.float32
+    # at head dims <= 128. Their splits may be as short as one short tile.
+    short_rules = (from_table and not interpreted and q.dtype != torch.float32
                    and padded_head_dim(head_dim) <= 128)
     if num_splits == 0:
         num_splits = pick_num_splits(
-            programs, span, min(config.block_n, SHORT_BLOCK_N) if short_rules else config.block_n, sms,
+            programs, span, min(config.block_n, tuned.short_block_n) if short_rules else config.block_n, sms,
             interpreted, page_size=geometry.page_size,
-            min_split_tokens=MIN_SPLIT_TOKENS if short_rules else UNMEASURED_MIN_SPLIT_TOKENS)
+            min_split_tokens=tuned.min_split_tokens if short_rules else tuned.unmeasured_min_split_tokens,
+            tuned=tuned)
     if short_rules:
-        config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms,
-                            geometry.page_size, head_dim, waves_for(geometry.page_size, programs, span, sms))
+        config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms, geometry.page_size,
+                            head_dim, waves_for(geometry.page_size, programs, span, sms, tuned), tuned)
 
-    target, target_lse, o_strides, l_strides = _split_targets(q, out, lse, num_splits)
-    bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
-
-    grid = (batch * num_kv_heads * num_splits * num_row_tiles,)
-    if variant.is_plain:
-        _launch_decode(
-            grid, q, k_cache, v_cache, bt, cache_seqlens, target,
-            target_lse if target_lse is not None else target,
-            q.stride(0), q.stride(1), q.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            stride_btb, stride_btn, cache_seqlens.stride(0),
-            *o_strides, *l_strides,
-            seqlen_new, seqlen_new if k_new is not None else 0, geometry.capacity, geometry.num_blocks,
-            num_kv_heads, group, num_row_tiles, num_splits, softmax_scale * LOG2E,
-            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-            BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
-            CAUSAL=variant.causal, WRITE_LSE=target_lse is not None,
-            num_warps=_warps_for(config, block_m, head_dim),
-            num_stages=config.num_stages,
-            **dot_flags(q.dtype, interpreted),
-        )
-    else:
-        mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
-        _launch_decode_variant(
-            grid, q, k_cache, v_cache, bt, cache_seqlens, target,
-            target_lse if target_lse is not None else target,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
-            stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
-            stride_btb=stride_btb, stride_btn=stride_btn, stride_sl=cache_seqlens.stride(0),
-            stride_os=o_strides[0], stride_ob=o_strides[1], stride_ot=o_strides[2], stride_oh=o_strides[3],
-            stride_ls=l_strides[0], stride_lb=l_strides[1], stride_lh=l_strides[2], stride_lt=l_strides[3],
-            seqlen_new=seqlen_new, appended=seqlen_new if k_new is not None else 0,
-            capacity=geometry.capacity, num_blocks=geometry.num_blocks,
-            num_kv_heads=num_kv_heads, group=group, num_row_tiles=num_row_tiles,
-            num_splits=num_splits, qk_scale=softmax_scale * LOG2E,
-            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-            BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
-            WRITE_LSE=target_lse is not None,
-            num_warps=_warps_for(config, block_m, head_dim),
-            num_stages=config.num_stages,
-            **mods, **dot_flags(q.dtype, interpreted),
-        )
+    target, target_lse, o_strides, l_strides = split_targets(q, out, lse, num_splits)
+    bt, bt_strides = block_table_args(block_table, cache_seqlens)
+    mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
+    _launch_decode(
+        (batch * num_kv_heads * num_splits * num_row_tiles,),
+        q, k_cache, v_cache, bt, cache_seqlens, target, target_lse if target_lse is not None else target,
+        mods.pop("Slopes"), mods.pop("Sinks"), cache_leftpad if cache_leftpad is not None else cache_seqlens,
+        _strides3(q), _strides3(k_cache), _strides3(v_cache), bt_strides, cache_seqlens.stride(0),
+        o_strides, l_strides, mods.pop("alibi_strides"), mods.pop("sink_stride"),
+        cache_leftpad.stride(0) if cache_leftpad is not None else 0,
+        seqlen_new=seqlen_new, appended=appended, capacity=geometry.capacity, num_blocks=geometry.num_blocks,
+        num_kv_heads=num_kv_heads, group=group, num_row_tiles=num_row_tiles, num_splits=num_splits,
+        qk_scale=softmax_scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
+        WRITE_LSE=target_lse is not None, HAS_START=cache_leftpad is not None,
+        num_warps=_warps_for(config, block_m, head_dim), num_stages=config.num_stages,
+        **mods, **dot_flags(q.dtype, interpreted),
+    )
     if num_splits > 1:
         combine(target, target_lse, out, lse)
 
@@ -932,7 +773,8 @@ def baseline_decode(
     softmax_scale: float,
     config: DecodeConfig | None = None,
 ) -> None:
-    """The seed's straightforward decode, same contract as :func:`decode_forward`.
+    """The seed's straightforward decode, same contract as :func:`decode_forward` (it appends
+    ``k_new, v_new`` itself).
 
     One program per (batch, query head) reads its KV head's whole context: K/V are read
     ``Hq / Hkv`` times and only ``B * Hq`` programs run. ``T`` (new tokens) must be <= 128.
@@ -947,7 +789,7 @@ def baseline_decode(
     interpreted = is_interpreted(_baseline_kernel)
     if config is None:
         config = pick_config(head_dim, q.dtype, interpreted)
-    bt, stride_btb, stride_btn = _block_table_args(block_table, cache_seqlens)
+    bt, (stride_btb, stride_btn) = block_table_args(block_table, cache_seqlens)
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     _baseline_kernel[(batch * num_heads,)](
         q, k_cache, v_cache, bt, cache_seqlens, out, lse if lse is not None else out,

@@ -17,17 +17,14 @@ at one time share one head's K/V in L2; with ``causal`` the longest tiles are is
 Variants (``kernels/_softmax.py``): a sliding window visits only the key tiles inside some row's
 window, ``[lo, hi)`` per query tile, and runs the tiles inside every row's window without masks,
 so the masked tiles are the two boundary runs and time falls with the window. Softcap and ALiBi
-modify the scores in every tile; a sink starts the running max and sum. Two kernels share one
-body: ``_attention_fwd_kernel`` (plain, the launch arguments and the code of before the
-variants) and ``_attention_variant_kernel`` (variants and packed sequences).
+modify the scores in every tile; a sink starts the running max and sum. One kernel,
+``_attention_fwd_kernel``, serves every call: each variant is a constexpr feature.
 
 Packed sequences (``varlen_forward``): grid ``(tile bound, Hq, 1)`` over a flat list of the
 sequences' query tiles; each program finds its sequence from ``cu_seqlens_q`` on the device.
 
-On Hopper, :func:`attention_forward` hands plain calls at head dim 64/128/256 (bf16/fp16) to the
-Gluon kernel of ``prefill_gluon.py`` (warp-specialized, FlashAttention-3 style), configured per
-shape class by :func:`gluon_config`; ``backend="triton"`` or ``FLASHKERNEL_GLUON=0`` keeps them
-here.
+Which kernel serves a call (this one or the Gluon kernel of ``gluon/prefill.py``) is decided in
+``kernels/dispatch.py``.
 """
 
 from __future__ import annotations
@@ -35,16 +32,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from ._common import (cuda_properties, dot_flags, is_interpreted, optional_kernel_module, padded_head_dim,
-                      tma_compatible)
 from . import tuning
+from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim, tma_compatible
+from ._launch import Launcher
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .tuning import TileConfig
 
@@ -251,7 +247,7 @@ def _attention_fwd_program(
         alibi_rows = 0.0
     if HAS_SINKS:
         # The sink joins the denominator: start from max = sink, sum = exp(sink - max) = 1.
-        sink = tl.load(Sinks + head * stride_sh)
+        sink = tl.load(Sinks + head * stride_sh).to(tl.float32)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
@@ -338,51 +334,15 @@ def _attention_fwd_program(
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-# Two entry points, one body. The plain kernel keeps the launch arguments it had before the
-# variants existed (so a plain call binds no extra argument on the host) and passes the variant
-# flags as False: it compiles to the same code as before. The variant kernel takes everything.
-# Lengths change every call in serving; specializing on them (==1, %16) would recompile per length.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
-def _attention_fwd_kernel(
-    Q, K, V, Out, Lse,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh,
-    seqlen_q, seqlen_k, group_size, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Plain attention over a dense batch: grid ``(query tiles, Hq, B)``."""
-    _attention_fwd_program(
-        Q, K, V, Out, Lse, Q, Q, Q, Q,
-        stride_qb, stride_qs, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_ob, stride_os, stride_oh,
-        stride_lb, stride_lh,
-        0, 0, 0,
-        seqlen_q, seqlen_k, 1, group_size, qk_scale,
-        0, 0, 0.0, 0.0,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-        CAUSAL, WRITE_LSE, USE_TMA, WARP_SPECIALIZE,
-        False, False, False, False, False, 1,
-        DOT_F32, DOT_PRECISION,
-    )
-
-
+# One kernel for every call: the variants, packed sequences and TMA loads are constexpr
+# features, so a plain call compiles none of their code (``benchmarks/tools/plain_ptx.py``
+# checks that its PTX body is the one of the plain kernel before the variants). Strides travel
+# as one tuple per tensor. Lengths change every call in serving; specializing on them (== 1,
+# % 16) would recompile per length.
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
-def _attention_variant_kernel(
+def _attention_fwd_kernel(
     Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Sinks,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh,
-    stride_ab, stride_ah, stride_sh,
+    q_strides, k_strides, v_strides, o_strides, lse_strides, alibi_strides, sink_stride,
     seqlen_q, seqlen_k, num_seqs, group_size, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -393,16 +353,17 @@ def _attention_variant_kernel(
     HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_B: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Variants and/or packed sequences: grid ``(query tiles, Hq, B)`` dense, ``(tile bound,
-    Hq, 1)`` varlen (see :func:`varlen_forward`)."""
+    """Grid ``(query tiles, Hq, B)`` dense, ``(tile bound, Hq, 1)`` packed (see
+    :func:`varlen_forward`). ``*_strides``: ``(batch, seq, head)`` per tensor (batch 0 when
+    packed), ``lse_strides`` ``(batch, head)``, ``alibi_strides`` ``(batch, head)``."""
     _attention_fwd_program(
         Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Sinks,
-        stride_qb, stride_qs, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_ob, stride_os, stride_oh,
-        stride_lb, stride_lh,
-        stride_ab, stride_ah, stride_sh,
+        q_strides[0], q_strides[1], q_strides[2],
+        k_strides[0], k_strides[1], k_strides[2],
+        v_strides[0], v_strides[1], v_strides[2],
+        o_strides[0], o_strides[1], o_strides[2],
+        lse_strides[0], lse_strides[1],
+        alibi_strides[0], alibi_strides[1], sink_stride,
         seqlen_q, seqlen_k, num_seqs, group_size, qk_scale,
         window_left, window_right, softcap_in, softcap_out,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
@@ -448,74 +409,10 @@ def use_tma(q, k, v, out, interpreted: bool, seqlen_k: int | None = None) -> boo
     return cuda_properties(q.device).major >= 9 and tma_compatible(q, k, v, out)
 
 
-# --------------------------------------------------------------------------------------------
-# The Gluon kernel (kernels/prefill_gluon.py) for the plain forward on Hopper
-# --------------------------------------------------------------------------------------------
-
-# The Gluon kernel runs the plain forward at these head dims on Hopper (bf16/fp16): it beat this
-# file's Triton kernel at every measured shape (H200, seqlen 1k/4k/16k, causal or not;
-# docs/perf-notes.md "Gluon").
-GLUON_HEAD_DIMS = (64, 128, 256)
-GLUON_ENABLED = os.environ.get("FLASHKERNEL_GLUON", "1") != "0"
-
-
-def _gluon_module():
-    """``kernels.prefill_gluon``, or None where it cannot be imported (another Triton version)."""
-    return optional_kernel_module("prefill_gluon")
-
-
-def gluon_config(head_dim: int, causal: bool, seqlen_k: int, device: torch.device | None = None):
-    """The Gluon kernel's configuration for one call: the first matching rule of the device's
-    table (``kernels/tuned/prefill.json``; the kernel's default config when none matches)."""
-    name, arch, _ = tuning.device_facts(device or torch.device("cuda"))
-    rule = tuning.gluon_rule(name, arch, head_dim, causal, seqlen_k)
-    # Built once per rule (a few us of host time per call otherwise); keyed by the rule object,
-    # which lives as long as the loaded tables.
-    key = (id(rule), head_dim)
-    cached = _GLUON_CONFIGS.get(key)
-    if cached is None or cached[0] is not rule:
-        cached = _GLUON_CONFIGS[key] = (rule, gluon_config_from(rule, head_dim))
-    return cached[1]
-
-
-_GLUON_CONFIGS: dict[tuple[int, int], tuple] = {}
-
-
-def gluon_config_from(rule: dict | None, head_dim: int):
-    """A ``prefill_gluon.GluonConfig`` from a table rule: its ``base`` configuration ("default",
-    "persistent" or "d64_3wg") with the rule's other fields replaced.
-
-    On the H200 (docs/perf-notes.md, "Prefill in Gluon" and "Fifth session"): causal runs a
-    persistent grid at every length (pairs of query tiles per schedule unit; at d256 up to 8192
-    keys each warpgroup visits only the key tiles its own rows see; at d64 up to 8192 keys two
-    consumer warpgroups taking turns, above that three). Without the mask, d128/d256 above 4096
-    keys run one program per query tile with the two consumer warpgroups taking turns on the
-    tensor cores, up to 4096 keys a persistent grid; d64 three consumer warpgroups, persistent.
-    """
-    gluon = _gluon_module()
-    if rule is None:
-        return gluon.CONFIGS[head_dim]
-    bases = {"default": gluon.CONFIGS[head_dim], "persistent": gluon.PERSISTENT_CONFIGS[head_dim],
-             "d64_3wg": gluon.D64_3WG}
-    fields = {key: value for key, value in rule.items() if key not in ("causal", "max_seqlen_k", "base")}
-    return dataclasses.replace(bases[rule.get("base", "default")], **fields)
-
-
-def use_gluon(q, k, v, out, interpreted: bool) -> bool:
-    """Run the plain forward through the Gluon kernel (Hopper, bf16/fp16, head dim 64/128/256,
-    TMA-compatible tensors)?"""
-    if not GLUON_ENABLED or interpreted or q.shape[-1] not in GLUON_HEAD_DIMS or q.shape[2] == 0:
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    gluon = _gluon_module()
-    return gluon is not None and gluon.supported(q, k, v) and gluon.output_ok(q, out)
-
-
 def _prepare(q, k, v, out, interpreted, force_tma, config, seqlen_k, autotune_launch=None, causal=False):
-    """``(tma, config)`` of a Triton launch. ``autotune_launch(config, tma=...)``, when given,
-    runs this call with a config: with ``FLASHKERNEL_AUTOTUNE=1`` the first call of its class is timed
-    over the candidates (``kernels/tuning.py``)."""
+    """``(tma, config)`` of a launch. ``autotune_launch(config, tma=...)``, when given, runs this
+    call with a config: with autotuning on (``tuning.autotune_enabled``) the first call of its
+    class is timed over the candidates (``kernels/tuning.py``)."""
     tma = use_tma(q, k, v, out, interpreted, seqlen_k) if force_tma is None else force_tma
     tma = tma and tma_compatible(q, k, v, out)
     if config is None:
@@ -536,6 +433,12 @@ def _autotuned_config(q, tma, causal, launch) -> TileConfig | None:
     return found
 
 
+def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
+    """``(batch, seq, head)`` strides of ``[B, S, H, D]``, or ``(0, seq, head)`` of packed ``[T, H, D]``."""
+    s = x.stride()
+    return (s[0], s[1], s[2]) if x.dim() == 4 else (0, s[0], s[1])
+
+
 @_with_tma_scratch
 def attention_forward(
     q: torch.Tensor,
@@ -552,40 +455,17 @@ def attention_forward(
     sinks: torch.Tensor | None = None,
     config: TileConfig | None = None,
     force_tma: bool | None = None,
-    backend: str | None = None,
 ):
-    """Launch the fused forward into ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (or None).
+    """Launch the Triton forward into ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (or None).
 
     Inputs are validated by the caller; batch, seqlen_q and seqlen_k are all >= 1. The variant
     arguments are those of ``flash_attn_func`` (``alibi_slopes [Hq]`` or ``[B, Hq]``, ``sinks
-    [Hq]``, float32). ``backend``: ``"triton"`` (this file's kernels), ``"gluon"`` (the Gluon
-    kernel, plain attention on Hopper only) or None: Gluon where :func:`use_gluon` says so for a
-    plain call, else Triton. ``config`` and ``force_tma`` override the tuned Triton choice
-    (benchmarks and tests use them; they select the Triton kernel). Returns the compiled Triton
-    kernel of the last launch (for resource reports), None after a Gluon launch.
+    [Hq]``). ``config`` and ``force_tma`` override the tuned choice (benchmarks and tests use
+    them). Returns the compiled kernel of the last launch (for resource reports).
     """
-    batch, seqlen_q, num_q_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    seqlen_k = k.shape[1]
     interpreted = is_interpreted(_attention_fwd_kernel)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
-    if backend not in (None, "triton", "gluon"):
-        raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
-    automatic = (backend is None and variant.is_plain and config is None and force_tma is None
-                 and use_gluon(q, k, v, out, interpreted))
-    if backend is None:
-        backend = "gluon" if automatic else "triton"
-    if backend == "gluon":
-        if not variant.is_plain:
-            raise ValueError("the Gluon prefill kernel runs plain attention only (no window, softcap, "
-                             "ALiBi or sinks)")
-        gluon = _gluon_module()
-        config = gluon_config(head_dim, variant.causal, seqlen_k, q.device)
-        if automatic:  # use_gluon checked the inputs
-            gluon.launch(q, k, v, out, lse, causal=variant.causal, softmax_scale=softmax_scale, config=config)
-        else:
-            gluon.gluon_attention_forward(q, k, v, out, lse, causal=variant.causal, softmax_scale=softmax_scale,
-                                          config=config)
-        return None
 
     def launch(config: TileConfig, tma: bool):
         return _launch_dense(q, k, v, out, lse, variant, alibi_slopes, softmax_scale, config, tma, interpreted)
@@ -596,45 +476,23 @@ def attention_forward(
 
 
 def _launch_dense(q, k, v, out, lse, variant, alibi_slopes, softmax_scale, config, tma, interpreted):
-    """The Triton launches of :func:`attention_forward` (batch chunks of at most 65535)."""
+    """The launches of :func:`attention_forward` (batch chunks of at most 65535)."""
     batch, seqlen_q, num_q_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     lse_arg = lse if lse is not None else out  # unused pointer when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    strides = dict(q_strides=_strides3(q), k_strides=_strides3(k), v_strides=_strides3(v),
+                   o_strides=_strides3(out), lse_strides=lse_strides)
     # Grid axes 1 and 2 are limited to 65535: launch large batches in chunks.
     for b0 in range(0, batch, MAX_GRID_YZ):
         b1 = min(batch, b0 + MAX_GRID_YZ)
-        grid = (triton.cdiv(seqlen_q, config.block_m), num_q_heads, b1 - b0)
-        if variant.is_plain:
-            compiled = _attention_fwd_kernel[grid](
-                q[b0:b1], k[b0:b1], v[b0:b1], out[b0:b1],
-                lse_arg[b0:b1],
-                q.stride(0), q.stride(1), q.stride(2),
-                k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2),
-                out.stride(0), out.stride(1), out.stride(2),
-                *lse_strides,
-                seqlen_q, seqlen_k, num_q_heads // num_kv_heads, softmax_scale * LOG2E,
-                HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                CAUSAL=variant.causal, WRITE_LSE=lse is not None, USE_TMA=tma,
-                WARP_SPECIALIZE=config.warp_specialize,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-                **dot_flags(q.dtype, interpreted),
-            )
-            continue
+        grid = (cdiv(seqlen_q, config.block_m), num_q_heads, b1 - b0)
         slopes = alibi_slopes[b0:b1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        mods = dataclasses.replace(variant, alibi_slopes=slopes).kernel_args(
-            softmax_scale, seqlen_q, seqlen_k, unused=q)
-        compiled = _attention_variant_kernel[grid](
-            q[b0:b1], k[b0:b1], v[b0:b1], out[b0:b1],
-            lse_arg[b0:b1], q, q,
-            stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-            stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-            stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-            stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
-            stride_lb=lse_strides[0], stride_lh=lse_strides[1],
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_seqs=b1 - b0,
+        mods = dataclasses.replace(variant, alibi_slopes=slopes).kernel_args(softmax_scale, seqlen_q, seqlen_k,
+                                                                               unused=q)
+        compiled = _launch_forward(
+            grid, q[b0:b1], k[b0:b1], v[b0:b1], out[b0:b1], lse_arg[b0:b1], q, q,
+            **strides, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_seqs=1,
             group_size=num_q_heads // num_kv_heads, qk_scale=softmax_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -685,30 +543,30 @@ def varlen_forward(
     tma, config = _prepare(q, k, v, out, interpreted, force_tma, config, max_seqlen_k)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     lse_arg = lse if lse is not None else out
+    strides = dict(q_strides=_strides3(q), k_strides=_strides3(k), v_strides=_strides3(v),
+                   o_strides=_strides3(out), lse_strides=(0, lse.stride(0) if lse is not None else 0))
     compiled = None
     for b0 in range(0, batch, MAX_VARLEN_SEQS):
         b1 = min(batch, b0 + MAX_VARLEN_SEQS)
         num_seqs = b1 - b0
-        tiles = min(total_q // config.block_m + num_seqs, num_seqs * triton.cdiv(max_seqlen_q, config.block_m))
+        tiles = min(total_q // config.block_m + num_seqs, num_seqs * cdiv(max_seqlen_q, config.block_m))
         if tiles == 0:
             continue
         slopes = alibi_slopes[b0:b1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         mods = dataclasses.replace(variant, alibi_slopes=slopes).kernel_args(
             softmax_scale, total_q, total_k, unused=q)
-        compiled = _attention_variant_kernel[(tiles, num_q_heads, 1)](
-            q, k, v, out, lse_arg, cu_seqlens_q[b0:], cu_seqlens_k[b0:],
-            stride_qb=0, stride_qs=q.stride(0), stride_qh=q.stride(1),
-            stride_kb=0, stride_ks=k.stride(0), stride_kh=k.stride(1),
-            stride_vb=0, stride_vs=v.stride(0), stride_vh=v.stride(1),
-            stride_ob=0, stride_os=out.stride(0), stride_oh=out.stride(1),
-            stride_lb=0, stride_lh=lse.stride(0) if lse is not None else 0,
-            seqlen_q=total_q, seqlen_k=total_k, num_seqs=num_seqs,
+        compiled = _launch_forward(
+            (tiles, num_q_heads, 1), q, k, v, out, lse_arg, cu_seqlens_q[b0:], cu_seqlens_k[b0:],
+            **strides, seqlen_q=total_q, seqlen_k=total_k, num_seqs=num_seqs,
             group_size=num_q_heads // num_kv_heads, qk_scale=softmax_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             WRITE_LSE=lse is not None, USE_TMA=tma, WARP_SPECIALIZE=config.warp_specialize,
-            IS_VARLEN=True, BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
+            IS_VARLEN=True, BLOCK_B=max(16, next_power_of_2(num_seqs)),
             num_warps=config.num_warps, num_stages=config.num_stages,
             **mods, **dot_flags(q.dtype, interpreted),
         )
     return compiled
+
+
+_launch_forward = Launcher(_attention_fwd_kernel)

@@ -1,6 +1,13 @@
-"""Prefill launch parameters: tuned tables shipped as data, a heuristic fallback, opt-in autotuning.
+"""Launch parameters as data: the tuned tables of every kernel family, a heuristic fallback for
+prefill, opt-in prefill autotuning.
 
-The tables live in ``tuned/prefill.json`` (its ``about`` field documents the format). A GPU
+Prefill: ``tuned/prefill.json``. Decode: ``tuned/decode.json``, read into a
+:class:`DecodeTuning` (tile tables per cache layout, the split rules, where the Gluon kernel is
+the default) that ``kernels/decode.py`` and the dispatch layer take as an argument, so tools
+and tests pass their own instead of changing module constants. Each file's ``about`` field
+documents its format.
+
+Prefill tables: a GPU
 is looked up by its device name, then by compute capability (``sm_90``: the H200 it was tuned
 on and the H100), so a first call never waits on a search. A GPU with no entry gets
 :func:`heuristic_tile_config`: the tuned shape family, cut down until it fits the device's
@@ -27,8 +34,11 @@ from pathlib import Path
 import torch
 
 from ._common import cuda_properties
+from ._launch import spoil_recording
 
 TABLE_FILE = Path(__file__).with_name("tuned") / "prefill.json"
+DECODE_TABLE_FILE = Path(__file__).with_name("tuned") / "decode.json"
+DEFAULT_GPU_KEY = "sm_90"  # the entry a GPU without its own takes for decode
 USER_FILE_ENV = "FLASHKERNEL_TUNING_FILE"
 AUTOTUNE_ENV = "FLASHKERNEL_AUTOTUNE"
 SHARED_RESERVE = 2048  # bytes of shared memory beyond the tiles (mbarriers, compiler scratch)
@@ -172,6 +182,7 @@ def autotune(key: tuple, launch, block_d: int, shared_limit: int, element_size: 
 
     if torch.cuda.is_current_stream_capturing():
         return None
+    spoil_recording()  # this call's launches are timing runs, not a replayable sequence
     best, best_ms = None, float("inf")
     for config in CANDIDATES[block_d]:
         if shared_bytes(config, block_d, element_size) > shared_limit:
@@ -200,3 +211,99 @@ def save_autotuned(path: str | Path) -> None:
 
 def clear_autotuned() -> None:
     _AUTOTUNED.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tile and launch parameters of the Triton decode kernel: a K and a V tile of
+    ``block_n x D`` per pipeline stage."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Everything the decode path decides by measurement (``tuned/decode.json``).
+
+    Tables (``padded head dim -> DecodeConfig``): ``contiguous`` caches; pages of at least
+    ``large_page`` keys use the contiguous table (one look-up per tile); ``small_pages``.
+    Rules: automatic splits aim for one program per SM, over small pages two once each split
+    still reads ``small_page_two_wave_tokens`` keys; each split gets at least
+    ``min_split_tokens`` of the capacity where the short-context rules were measured (bf16/fp16,
+    head dim <= 128), ``unmeasured_min_split_tokens`` elsewhere, and at most
+    ``max_auto_splits`` splits; splits of at most ``short_split_tokens`` keys use
+    ``short_block_n``-key tiles; grids of more than a wave whose programs read at most
+    ``multi_wave_max_tokens`` keys (or read small pages) use ``multi_wave_config``. Gluon:
+    the default for paged caches at ``gluon_head_dims`` whose work items read at most
+    ``gluon_max_item_tokens`` keys, with ``gluon_configs`` (``head dim -> (block_n, stages)``).
+    """
+
+    contiguous: dict
+    small_pages: dict
+    large_page: int
+    small_page_two_wave_tokens: int
+    min_split_tokens: int
+    unmeasured_min_split_tokens: int
+    short_split_tokens: int
+    short_block_n: int
+    multi_wave_max_tokens: int
+    multi_wave_config: DecodeConfig
+    max_auto_splits: int
+    gluon_head_dims: tuple
+    gluon_max_item_tokens: int
+    gluon_configs: dict
+
+    def table(self, page_size: int) -> dict:
+        """The tile table for a cache layout (``page_size`` 0: contiguous)."""
+        return self.contiguous if page_size == 0 or page_size >= self.large_page else self.small_pages
+
+    def __hash__(self) -> int:  # dict fields: hashed by identity (one object per loaded entry)
+        return id(self)
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    @staticmethod
+    def from_entry(entry: dict) -> DecodeTuning:
+        triton_part, gluon_part = entry["triton"], entry["gluon"]
+        rules = triton_part["rules"]
+
+        def table(section):
+            return {int(d): DecodeConfig(*v) for d, v in section.items()}
+
+        return DecodeTuning(
+            contiguous=table(triton_part["contiguous"]), small_pages=table(triton_part["small_pages"]),
+            large_page=triton_part["large_page"],
+            small_page_two_wave_tokens=rules["small_page_two_wave_tokens"],
+            min_split_tokens=rules["min_split_tokens"],
+            unmeasured_min_split_tokens=rules["unmeasured_min_split_tokens"],
+            short_split_tokens=rules["short_split_tokens"], short_block_n=rules["short_block_n"],
+            multi_wave_max_tokens=rules["multi_wave_max_tokens"],
+            multi_wave_config=DecodeConfig(*rules["multi_wave_config"]),
+            max_auto_splits=rules["max_auto_splits"],
+            gluon_head_dims=tuple(gluon_part["head_dims"]), gluon_max_item_tokens=gluon_part["max_item_tokens"],
+            gluon_configs={int(d): tuple(v) for d, v in gluon_part["configs"].items()},
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_tuning_for(name: str, arch: str) -> DecodeTuning:
+    gpus = json.loads(DECODE_TABLE_FILE.read_text())["gpus"]
+    entry = gpus.get(name) or gpus.get(arch) or gpus[DEFAULT_GPU_KEY]
+    return DecodeTuning.from_entry(entry)
+
+
+def decode_tuning(device: torch.device | None) -> DecodeTuning:
+    """The decode tuning of a CUDA ``device`` (None: the default entry, e.g. for the
+    interpreter or offline compiles). Cached per GPU model."""
+    if device is None or device.type != "cuda":
+        return _decode_tuning_for("", DEFAULT_GPU_KEY)
+    name, arch, _ = device_facts(device)
+    return _decode_tuning_for(name, arch)

@@ -98,7 +98,6 @@ call encodes four ``CUtensorMap`` on the host).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -112,10 +111,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import cuda_properties, is_sm90, tma_aligned
-from ._launch import Launcher
+from .._common import is_sm90, tma_aligned
+from .._launch import Launcher
+from .common import (TORCH_TO_GL, _alloc_barriers, _as_matrix, _rescale, _ring_slot, _softmax_tile, make_descriptor,
+                     num_sms, tile_layout)
 
 LOG2E = math.log2(math.e)
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
@@ -123,7 +123,6 @@ NUM_CONSUMERS = 2
 BLOCK_M = WG_ROWS * NUM_CONSUMERS  # query rows per program
 _WG = gl.constexpr(WG_ROWS)  # the same numbers, usable inside kernels
 HEAD_DIMS = (64, 128, 256)
-TORCH_TO_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +175,6 @@ PERSISTENT_CONFIGS = {d: dataclasses.replace(c, persistent=True) for d, c in CON
 # The pipelined loop at BLOCK_N 128 needs more than 160 registers (it spills), so this one runs
 # the simple loop; ``block_n=64, stages=3`` with ``pipeline=True`` fits as well.
 D64_3WG = GluonConfig(block_n=128, stages=2, pipeline=False, num_consumers=3, consumer_regs=160, producer_regs=24)
-
-# Causal, short sequences: persistent with per-warpgroup key ranges (``wg_tiles``). Candidates
-# for ``prefill.gluon_config`` once measured (benchmarks/tools/gluon_check.py variants
-# ``persistent_wg``, ``persistent_n64_wg``, ``d64_3wg_persistent_wg``).
-WG_TILES_CONFIGS = {d: dataclasses.replace(c, wg_tiles=True) for d, c in PERSISTENT_CONFIGS.items()}
 
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 
@@ -258,25 +252,7 @@ def wgmma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
-@gluon.constexpr_function
-def tile_layout(rows, head_dim, dtype):
-    """Shared layout of a ``[1, rows, 1, head_dim]`` TMA box (rank 4, widest swizzle)."""
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], dtype)
-
-
 # ---- pieces shared by the partitions --------------------------------------------------------------
-
-
-@gluon.jit
-def _ring_slot(j, STAGES: gl.constexpr):
-    """Stage index and mbarrier parity of the ``j``-th use of a ``STAGES``-deep ring."""
-    return j % STAGES, (j // STAGES) & 1
-
-
-@gluon.jit
-def _as_matrix(buf):
-    """View a ``[1, rows, 1, D]`` shared tile (a TMA box) as the ``[rows, D]`` wgmma operand."""
-    return buf.reshape([buf.shape[1], buf.shape[3]])
 
 
 @gluon.jit
@@ -517,47 +493,6 @@ def _issue_pv(p, v_bufs, v_ready, acc, j, STAGES: gl.constexpr, HALF: gl.constex
 def _release(empty, j, STAGES: gl.constexpr):
     """Tell the producer this warpgroup is done with ring use ``j``."""
     mbarrier.arrive(empty.index(j % STAGES))
-
-
-@gluon.jit
-def _softmax_tile(s, m_i, l_i, j, unmasked, rows, seqlen_k, shift, qk_scale,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FUSED_MASK: gl.constexpr = False):
-    """Online-softmax step on scores ``s [64, BLOCK_N]`` (fp32, unscaled) of key tile ``j``.
-
-    ``m_i``, ``l_i`` ``[64]``: running max (scaled, log2 units) and sum. Returns ``(p, m_new,
-    l_new, alpha)`` with ``p = exp2(s * qk_scale - m_new)`` and ``alpha = exp2(m_i - m_new)``
-    the factor for the accumulator. With ``FUSED_MASK`` (the persistent kernel) ``rows`` holds
-    each row's last visible key (``shift`` is 0) and the two masks become one comparison of the
-    tile-local column with a per-row limit (fewer registers in the masked branch).
-    """
-    s_layout: gl.constexpr = s.type.layout
-    if j >= unmasked:
-        if FUSED_MASK:
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            if CAUSAL:
-                limit = gl.minimum(rows, seqlen_k - 1) - j * BLOCK_N
-                visible = gl.expand_dims(cols, 0) <= gl.expand_dims(limit, 1)
-            else:
-                visible = gl.expand_dims(cols < seqlen_k - j * BLOCK_N, 0)
-        else:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            visible = gl.expand_dims(cols < seqlen_k, 0)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
-        s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-    alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_new, alpha
-
-
-@gluon.jit
-def _rescale(acc, alpha):
-    """``acc * alpha[:, None]`` with alpha moved to the accumulator's row layout (no data moves)."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    return acc * gl.expand_dims(gl.convert_layout(alpha, row_layout), 1)
 
 
 @gluon.jit
@@ -928,15 +863,6 @@ def _consumer(q_bufs, o_bufs, k_bufs, v_bufs, bars, q_empty, turn_bars, fence_ba
 # ---- kernel -----------------------------------------------------------------------------------
 
 
-@gluon.jit
-def _alloc_barriers(count: gl.constexpr, arrivals: gl.constexpr):
-    """``count`` mbarriers, each completing a phase after ``arrivals`` arrivals."""
-    bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(count):
-        mbarrier.init(bars.index(i), count=arrivals)
-    return bars
-
-
 # Lengths, head counts and LSE strides change between calls; specializing on them (== 1, % 16)
 # would compile one kernel per shape, and they only feed scalar index math.
 @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "stride_ls", "seqlen_q", "seqlen_k", "num_heads",
@@ -1063,31 +989,6 @@ def output_ok(q: torch.Tensor, out: torch.Tensor) -> bool:
     return out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and _tma_ok(out)
 
 
-def make_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Rank-4 TMA descriptor over ``x [B, S, H, D]`` with box ``[1, rows, 1, D]``.
-
-    Built without ``TensorDescriptor.__post_init__``: it re-checks what :func:`supported` and
-    :func:`output_ok` checked before any launch (alignment, strides, contiguous last dim) and the
-    fixed box and layout, at ~2 us per descriptor, four per call (tests compare the result with
-    the checked constructor's).
-    """
-    desc = object.__new__(TensorDescriptor)
-    desc.base = x
-    desc.shape = list(x.shape)
-    desc.strides = list(x.stride())
-    desc.block_shape = [1, rows, 1, x.shape[3]]
-    desc.layout = _host_tile_layout(rows, x.shape[3], x.dtype)
-    desc.padding = "zero"
-    return desc
-
-
-@functools.lru_cache(maxsize=None)
-def _host_tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    """:func:`tile_layout` for the host's descriptors, cached (building one costs ~9 us, and a
-    call makes four)."""
-    return tile_layout(rows, head_dim, TORCH_TO_GL[dtype])
-
-
 def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: GluonConfig):
     """``(grid, args, kwargs)`` of one launch (also used to compile without a GPU)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -1114,22 +1015,16 @@ def launch_args(q, k, v, out, lse, causal: bool, softmax_scale: float, config: G
     return grid, args, kwargs
 
 
-def num_sms(device) -> int:
-    """Streaming multiprocessors of ``device`` (132 on an H200 when there is no GPU: compile only)."""
-    if not isinstance(device, torch.device) or device.type != "cuda" or not torch.cuda.is_available():
-        return 132
-    return cuda_properties(device).multi_processor_count
-
-
-# Registers: 3 warpgroups share 64K, so the launch limit is 168 per thread (65536 / 384, rounded
-# down to a multiple of 8); the partitions then move them with setmaxnreg (240 + 240 + 24 = 504
-# = 3 x 168). With 3 consumers, 4 warpgroups: 128 per thread at launch, 160 + 160 + 160 + 24
-# (<= 4 x 128) after setmaxnreg.
-MAXNREG = 168
 
 
 def maxnreg_for(config: GluonConfig) -> int:
-    """Launch register limit: 64K registers over (consumers + 1) warpgroups, multiple of 8."""
+    """Launch register limit: 64K registers over (consumers + 1) warpgroups, multiple of 8.
+
+    With 2 consumers, 3 warpgroups share 64K: 168 per thread at launch (65536 / 384, rounded
+    down to a multiple of 8); the partitions then move them with setmaxnreg (240 + 240 + 24 =
+    504 = 3 x 168). With 3 consumers, 4 warpgroups: 128 per thread at launch, 160 + 160 + 160
+    + 24 (<= 4 x 128) after setmaxnreg.
+    """
     return (65536 // (128 * (config.num_consumers + 1))) // 8 * 8
 
 

@@ -30,12 +30,11 @@ as in ``decode.py``) against the split's run of whole ``BLOCK_N`` tiles of the c
   pointer stores: the final output when there is one split, else fp32 partials and their LSE
   for ``combine.py``, exactly as the Triton kernel writes them.
 
-Measured on the H200 (``benchmarks/tools/decode_ab.py --sections gluon``, docs/perf-notes.md
-"Sixth session"): with no math at all the consumer-less stream runs at the Triton kernel's
+Measured on the H200 (docs/perf-notes.md, "Decode in Gluon"): with no math at all the consumer-less stream runs at the Triton kernel's
 speed (the cache's layout and the HBM set the pace, not the kernel); a 64-row wgmma consumer was
 2-5% slower than Triton, this one -2..+5% on contiguous caches and 2-7% faster over pages at
 B=1. Its host cost is higher: Triton's launcher encodes the two TMA descriptors at every launch
-(an eager step ~25-45 us more than the Triton kernel's), so ``decode.use_gluon`` takes it by
+(an eager step ~25-45 us more than the Triton kernel's), so the dispatch layer takes it by
 default only for paged caches, whose steps serving engines replay as CUDA graphs. Plain attention only (``causal`` or not), bf16/fp16, head dims 64/128/256,
 ``group * T <= 16`` (more rows in 16-row MMAs would hold a whole K tile per warp: spills),
 TMA-compatible caches; :func:`supported` says which calls qualify and
@@ -53,17 +52,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from ._common import is_sm90, tma_aligned
-from ._launch import Launcher
-from .prefill_gluon import (
-    TORCH_TO_GL,
-    _alloc_barriers,
-    _as_matrix,
-    _rescale,
-    _ring_slot,
-    _softmax_tile,
-    make_descriptor,
-)
+from .._common import is_sm90, tma_aligned
+from .._launch import Launcher
+from ..combine import combine
+from ..decode import split_targets
+from .common import TORCH_TO_GL, _alloc_barriers, _as_matrix, _rescale, _ring_slot, _softmax_tile, make_descriptor
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 16  # query rows (group * T) of one item at most: the M of mma.sync; 4 warps side by side
@@ -82,12 +75,12 @@ class GluonDecodeConfig:
     max_programs: int | None = None
 
 
-# Tiles and ring depth per head dim. Head dim 128 was measured on the H200 (docs/perf-notes.md
-# "Sixth session"): 64-key tiles 3 deep (96 KB in flight per SM) were 0-3% faster than 128-key
-# tiles 3 deep at 17 of 20 shapes, and 64-key tiles 6 deep were slower than both at long contexts
-# (B=8, 128k: 984 against 970 us). The other head dims keep ~96 KB in flight, unmeasured.
-CONFIGS = {64: GluonDecodeConfig(block_n=128, stages=3), 128: GluonDecodeConfig(block_n=64, stages=3),
-           256: GluonDecodeConfig(block_n=32, stages=3)}
+def config_for(head_dim: int, tuned) -> GluonDecodeConfig:
+    """The tile and ring depth for ``head_dim`` from a ``tuning.DecodeTuning``
+    (``tuned/decode.json``: head dim 128 measured on the H200, the others keep ~96 KB in
+    flight, unmeasured)."""
+    block_n, stages = tuned.gluon_configs[head_dim]
+    return GluonDecodeConfig(block_n=block_n, stages=stages)
 
 
 # ---- device code ----------------------------------------------------------------------------------
@@ -352,6 +345,26 @@ def launch(*args, config: GluonDecodeConfig, **kwargs) -> None:
     """One decode launch (arguments of :func:`launch_args`) on the current CUDA device."""
     grid, kernel_args, kernel_kwargs = launch_args(*args, config=config, **kwargs)
     _launch_kernel(grid, *kernel_args, **kernel_kwargs, num_warps=4)
+
+
+def num_splits_for(programs: int, capacity: int, sms: int, block_n: int, min_split_tokens: int,
+                   max_splits: int) -> int:
+    """Automatic splits: one wave of work items, each at least a tile (and ``min_split_tokens``)."""
+    return max(1, min(sms // max(programs, 1), -(-capacity // max(block_n, min_split_tokens)), max_splits))
+
+
+def attend(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, page_size: int, capacity: int,
+           num_blocks: int, appended: int, causal: bool, softmax_scale: float, num_splits: int, config,
+           sms: int) -> None:
+    """The attention of one decode step (new keys already appended) into ``out``/``lse``: the
+    kernel writes the output directly with one split, else fp32 partials that ``combine``
+    merges (the Triton family's workspace and merge)."""
+    target, target_lse, o_strides, l_strides = split_targets(q, out, lse, num_splits)
+    launch(q, k_cache, v_cache, cache_seqlens, block_table, target, target_lse, o_strides, l_strides,
+           appended=appended, capacity=capacity, num_blocks=num_blocks, page_size=page_size,
+           num_splits=num_splits, causal=causal, softmax_scale=softmax_scale, config=config, sms=sms)
+    if num_splits > 1:
+        combine(target, target_lse, out, lse)
 
 
 _launch_kernel = Launcher(_gluon_decode_kernel)

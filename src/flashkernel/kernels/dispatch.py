@@ -1,0 +1,291 @@
+"""Which kernel serves a call, and why not another.
+
+Two families, two backends each:
+
+* prefill (``flash_attn_func``, ``flash_attn_varlen_func``): ``"triton"`` (``prefill.py``: every
+  variant, packed sequences, any head dim, fp32, any GPU Triton supports, the interpreter) and
+  ``"gluon"`` (``gluon/prefill.py``: plain attention, dense batches, Hopper, bf16/fp16, head dim
+  64/128/256, TMA-compatible tensors);
+* decode (``flash_attn_with_kvcache``): ``"triton"`` (``decode.py``: everything) and ``"gluon"``
+  (``gluon/decode.py``: plain attention, Hopper, bf16/fp16, head dim 64/128/256, at most 16 rows
+  of GQA group x new tokens, contiguous caches or pages of at least 16 keys, no key start,
+  TMA-compatible caches).
+
+``backend="auto"`` takes the Gluon kernel where it is supported and the policy wants it (prefill:
+always, it was faster at every measured shape; decode: paged caches at the tuned head dims whose
+work items read at most ``DecodeTuning.gluon_max_item_tokens`` keys, see ``tuned/decode.json``),
+else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
+from :func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
+
+The environment is read once, at import (:data:`SETTINGS`): ``FLASHKERNEL_GLUON=0`` keeps
+``"auto"`` on the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from . import decode as triton_decode
+from . import prefill as triton_prefill
+from . import tuning
+from ._common import cdiv, cuda_properties, is_interpreted, optional_kernel_module, tma_aligned
+from ._softmax import Variant
+from .tuning import DecodeTuning
+
+BACKENDS = ("auto", "triton", "gluon")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Process-wide switches, read from the environment once."""
+
+    gluon: bool = True  # FLASHKERNEL_GLUON: may "auto" pick the Gluon kernels?
+
+    @staticmethod
+    def from_environ() -> Settings:
+        return Settings(gluon=os.environ.get("FLASHKERNEL_GLUON", "1") != "0")
+
+
+SETTINGS = Settings.from_environ()
+
+
+def check_backend(backend) -> None:
+    """``backend`` must be one of :data:`BACKENDS` (a ValueError/TypeError naming it, if not)."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {', '.join(map(repr, BACKENDS))}; "
+                        f"got {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+
+
+def interpreted() -> bool:
+    """True when the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return is_interpreted(triton_prefill._attention_fwd_kernel)
+
+
+def _gluon_prefill_module():
+    return optional_kernel_module("gluon.prefill")
+
+
+def _gluon_decode_module():
+    return optional_kernel_module("gluon.decode")
+
+
+def _hopper_refusal(x: torch.Tensor) -> str | None:
+    """Why a Gluon kernel cannot run on ``x``'s device, or None."""
+    if interpreted() or x.device.type != "cuda":
+        return "it needs a CUDA GPU (the interpreter and CPU tensors run the Triton kernel)"
+    props = cuda_properties(x.device)
+    if (props.major, props.minor) != (9, 0):
+        return f"it needs a Hopper GPU (sm_90); {props.name} is sm_{props.major}{props.minor}"
+    return None
+
+
+def _refuse(backend: str, reason: str | None) -> None:
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run this call: {reason}; use backend='auto' or 'triton'")
+
+
+# ---- prefill -------------------------------------------------------------------------------------
+
+
+def prefill_refusal(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+                    varlen: bool = False) -> str | None:
+    """Why ``backend`` cannot run this (validated) prefill call, or None when it can."""
+    if backend == "triton":
+        return None
+    if varlen:
+        return "packed sequences (flash_attn_varlen_func) run on the Triton kernel only"
+    if not variant.is_plain:
+        return "the Gluon prefill kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
+    reason = _hopper_refusal(q)
+    if reason is not None:
+        return reason
+    gluon = _gluon_prefill_module()
+    if gluon is None:
+        return "triton.experimental.gluon (Triton 3.6) could not be imported"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it needs bfloat16 or float16 inputs, got {q.dtype}"
+    if q.shape[-1] not in gluon.HEAD_DIMS:
+        return f"it supports head dims {', '.join(map(str, gluon.HEAD_DIMS))}, got {q.shape[-1]}"
+    if not gluon.supported(q, k, v):
+        return ("it needs TMA-compatible tensors: 16-byte aligned base addresses and strides, a "
+                "contiguous last dim, no broadcast dims")
+    return None
+
+
+def prefill_backend(backend: str, q, k, v, variant: Variant, varlen: bool = False) -> str:
+    """The backend that runs this call: ``backend`` itself, checked, or the choice of "auto"."""
+    if backend == "auto":
+        if SETTINGS.gluon and prefill_refusal("gluon", q, k, v, variant, varlen) is None:
+            return "gluon"
+        return "triton"
+    _refuse(backend, prefill_refusal(backend, q, k, v, variant, varlen))
+    return backend
+
+
+def gluon_prefill_config(head_dim: int, causal: bool, seqlen_k: int, device: torch.device):
+    """The Gluon prefill kernel's configuration for one call: the first matching rule of the
+    device's table (``tuned/prefill.json``; the kernel's default config when none matches)."""
+    name, arch, _ = tuning.device_facts(device)
+    rule = tuning.gluon_rule(name, arch, head_dim, causal, seqlen_k)
+    key = (id(rule), head_dim)  # built once per rule; the rule lives as long as the loaded tables
+    cached = _GLUON_CONFIGS.get(key)
+    if cached is None or cached[0] is not rule:
+        cached = _GLUON_CONFIGS[key] = (rule, gluon_config_from(rule, head_dim))
+    return cached[1]
+
+
+_GLUON_CONFIGS: dict[tuple[int, int], tuple] = {}
+
+
+def gluon_config_from(rule: dict | None, head_dim: int):
+    """A ``gluon.prefill.GluonConfig`` from a table rule: its ``base`` configuration
+    ("default", "persistent" or "d64_3wg") with the rule's other fields replaced.
+
+    On the H200 (docs/perf-notes.md, "Prefill in Gluon"): causal runs a persistent grid at every
+    length (pairs of query tiles per schedule unit; at d256 up to 8192 keys each warpgroup
+    visits only the key tiles its own rows see; at d64 up to 8192 keys two consumer
+    warpgroups taking turns, above that three). Without the mask, d128/d256 above 4096 keys run
+    one program per query tile with the two consumer warpgroups taking turns on the tensor
+    cores, up to 4096 keys a persistent grid; d64 three consumer warpgroups, persistent.
+    """
+    gluon = _gluon_prefill_module()
+    if rule is None:
+        return gluon.CONFIGS[head_dim]
+    bases = {"default": gluon.CONFIGS[head_dim], "persistent": gluon.PERSISTENT_CONFIGS[head_dim],
+             "d64_3wg": gluon.D64_3WG}
+    fields = {key: value for key, value in rule.items() if key not in ("causal", "max_seqlen_k", "base")}
+    return dataclasses.replace(bases[rule.get("base", "default")], **fields)
+
+
+def prefill(q, k, v, out, lse, *, causal: bool, softmax_scale: float, window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None, sinks=None, backend: str = "auto") -> str:
+    """Run a dense forward (``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]``, validated, all
+    lengths >= 1) into ``out`` and ``lse`` (or None); returns the backend that ran it."""
+    variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    chosen = prefill_backend(backend, q, k, v, variant)
+    if chosen == "gluon":
+        config = gluon_prefill_config(q.shape[-1], variant.causal, k.shape[1], q.device)
+        _gluon_prefill_module().launch(q, k, v, out, lse, causal=variant.causal, softmax_scale=softmax_scale,
+                                       config=config)
+    else:
+        triton_prefill.attention_forward(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                         sinks=sinks)
+    return chosen
+
+
+def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, *, causal: bool,
+                   softmax_scale: float, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                   backend: str = "auto") -> str:
+    """Run a packed forward (see ``prefill.varlen_forward``); returns the backend that ran it."""
+    variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    chosen = prefill_backend(backend, q, k, v, variant, varlen=True)
+    triton_prefill.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+                                  causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    return chosen
+
+
+# ---- decode --------------------------------------------------------------------------------------
+
+
+def decode_refusal(backend: str, q, k_cache, v_cache, block_table, variant: Variant,
+                   cache_leftpad=None) -> str | None:
+    """Why ``backend`` cannot run this (validated) decode call, or None when it can."""
+    if backend == "triton":
+        return None
+    if not variant.is_plain:
+        return "the Gluon decode kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
+    if cache_leftpad is not None:
+        return "the Gluon decode kernel has no per-sequence key start (cache_leftpad)"
+    reason = _hopper_refusal(q)
+    if reason is not None:
+        return reason
+    gluon = _gluon_decode_module()
+    if gluon is None:
+        return "triton.experimental.gluon (Triton 3.6) could not be imported"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it needs bfloat16 or float16 inputs, got {q.dtype}"
+    if q.shape[-1] not in gluon.HEAD_DIMS:
+        return f"it supports head dims {', '.join(map(str, gluon.HEAD_DIMS))}, got {q.shape[-1]}"
+    rows = q.shape[2] // k_cache.shape[2] * q.shape[1]
+    if rows > gluon.BLOCK_M:
+        return (f"it computes at most {gluon.BLOCK_M} rows per KV head (GQA group x new tokens), this call "
+                f"has {rows}")
+    page_size = triton_decode.CacheGeometry.of(k_cache, block_table).page_size
+    if 0 < page_size < gluon.MIN_PAGE:
+        return f"it needs pages of at least {gluon.MIN_PAGE} keys, got {page_size}"
+    if not (tma_aligned(k_cache, broadcast=False) and tma_aligned(v_cache, broadcast=False)):
+        return ("it needs TMA-compatible caches: 16-byte aligned base addresses and strides, a contiguous "
+                "last dim, no broadcast dims")
+    return None
+
+
+def gluon_decode_wanted(page_size: int, head_dim: int, tokens_per_item: int, tuned: DecodeTuning) -> bool:
+    """The "auto" policy for a call the Gluon decode kernel supports: paged caches at the tuned
+    head dims whose work items (a split of one sequence and KV head) read at most
+    ``tuned.gluon_max_item_tokens`` keys. Contiguous caches stay on the Triton kernel: its eager
+    call costs less host time, which at those shapes was more than the GPU time the Gluon kernel
+    saves (docs/perf-notes.md, "Decode in Gluon")."""
+    return (page_size > 0 and head_dim in tuned.gluon_head_dims
+            and tokens_per_item <= tuned.gluon_max_item_tokens)
+
+
+def gluon_decode_splits(q, k_cache, geometry, tuned: DecodeTuning) -> int:
+    """Automatic splits of the Gluon decode kernel: one wave of work items."""
+    gluon = _gluon_decode_module()
+    config = gluon.config_for(q.shape[-1], tuned)
+    return gluon.num_splits_for(q.shape[0] * k_cache.shape[2], geometry.capacity,
+                                triton_decode.sm_count(q.device, False), config.block_n, tuned.min_split_tokens,
+                                tuned.max_auto_splits)
+
+
+def decode_backend(backend: str, q, k_cache, v_cache, block_table, variant: Variant, num_splits: int,
+                   tuned: DecodeTuning, cache_leftpad=None) -> str:
+    """The backend that runs this decode call (see the module docstring)."""
+    if backend == "auto":
+        if not SETTINGS.gluon or not variant.is_plain or cache_leftpad is not None or interpreted():
+            return "triton"  # the cheap tests first: most calls stop here
+        geometry = triton_decode.CacheGeometry.of(k_cache, block_table)
+        if not gluon_decode_wanted(geometry.page_size, q.shape[-1], 0, tuned):
+            return "triton"
+        if decode_refusal("gluon", q, k_cache, v_cache, block_table, variant, cache_leftpad) is not None:
+            return "triton"
+        splits = num_splits or gluon_decode_splits(q, k_cache, geometry, tuned)
+        wanted = gluon_decode_wanted(geometry.page_size, q.shape[-1], cdiv(geometry.capacity, splits), tuned)
+        return "gluon" if wanted else "triton"
+    _refuse(backend, decode_refusal(backend, q, k_cache, v_cache, block_table, variant, cache_leftpad))
+    return backend
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=None, v_new=None, cache_leftpad=None,
+           causal: bool, softmax_scale: float, num_splits: int = 0, window_size=(-1, -1), softcap=0.0,
+           alibi_slopes=None, sinks=None, backend: str = "auto", tuned: DecodeTuning | None = None) -> str:
+    """One decode step (validated inputs, B and T >= 1): append ``k_new, v_new`` when given,
+    then attend into ``out``/``lse``. Returns the backend that ran the attention."""
+    if tuned is None:
+        tuned = tuning.decode_tuning(q.device if q.device.type == "cuda" and not interpreted() else None)
+    variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    chosen = decode_backend(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad)
+    if k_new is not None:
+        triton_decode.append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
+    appended = q.shape[1] if k_new is not None else 0
+    if chosen == "gluon":
+        geometry = triton_decode.CacheGeometry.of(k_cache, block_table)
+        gluon = _gluon_decode_module()
+        gluon.attend(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, page_size=geometry.page_size,
+                     capacity=geometry.capacity, num_blocks=geometry.num_blocks, appended=appended,
+                     causal=variant.causal, softmax_scale=softmax_scale,
+                     num_splits=num_splits or gluon_decode_splits(q, k_cache, geometry, tuned),
+                     config=gluon.config_for(q.shape[-1], tuned), sms=triton_decode.sm_count(q.device, False))
+    else:
+        triton_decode.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, appended=appended,
+                                     causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     sinks=sinks, cache_leftpad=cache_leftpad, tuned=tuned)
+    return chosen

@@ -1,0 +1,197 @@
+"""The op layer: flashkernel's entry points as ``torch.library`` custom operators.
+
+Each public function of ``interface.py`` validates its arguments, then runs one of these ops:
+
+* ``flashkernel::fwd`` (``flash_attn_func``),
+* ``flashkernel::varlen_fwd`` (``flash_attn_varlen_func``),
+* ``flashkernel::kvcache_fwd`` (``flash_attn_with_kvcache``; it writes the new keys and values
+  into ``k_cache`` and ``v_cache`` in place, declared as mutations of those arguments).
+
+Each op has a fake (meta) implementation, so ``torch.compile`` traces a model through it
+without a graph break and Inductor treats the call as opaque (it never recompiles our Triton
+kernels), ``torch.library.opcheck`` can test it, and dynamic shapes need no recompile per
+length. Every op returns ``(out, lse)``; ``lse`` is an empty tensor when it was not asked for.
+
+The autograd boundary is here too: :func:`register_backward` attaches a backward to ``fwd`` and
+``varlen_fwd`` when one exists (``kernels/backward.py``); until then, and for the cache op
+(decode is inference only), a call whose inputs require grad raises a clear error rather than
+returning an output with no gradient (:func:`check_no_grad`).
+
+Host time: an op's real implementation records the launches of its first call per argument
+layout and replays them for later calls of the same layout (``kernels/_launch.py``), so calls
+from a compiled graph cost little host time too. The public functions call
+:func:`fwd_impl` & co. directly in eager mode when no gradient is needed (no dispatcher in the
+way), and go through ``torch.ops.flashkernel`` when compiling or differentiating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .kernels import dispatch
+from .kernels._launch import CallCache, allocate, layout
+
+__all__ = ["fwd_impl", "varlen_fwd_impl", "kvcache_fwd_impl", "check_no_grad"]
+
+_EMPTY_LSE_SHAPE = (0,)
+
+
+def _lse(want: bool, shape, device) -> torch.Tensor:
+    return allocate(shape if want else _EMPTY_LSE_SHAPE, torch.float32, device)
+
+
+def on_device(x: torch.Tensor):
+    """Triton launches on the current CUDA device and stream: make the device ``x``'s for the
+    launches (sets a device index; no synchronisation, so CUDA-graph capture is unaffected)."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+# ---- real implementations (validated inputs; outputs allocated here) ------------------------------
+
+
+def fwd_impl(q, k, v, alibi_slopes, sinks, causal: bool, softmax_scale: float, window_left: int,
+             window_right: int, softcap: float, return_lse: bool, backend: str):
+    """``flash_attn_func`` after validation: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq] or [0])``."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    out = allocate((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+    lse = _lse(return_lse, (batch, num_heads, seqlen_q), q.device)
+    with on_device(q):
+        dispatch.prefill(q, k, v, out, lse if return_lse else None, causal=causal, softmax_scale=softmax_scale,
+                         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                         sinks=sinks, backend=backend)
+    return out, lse
+
+
+def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alibi_slopes, sinks,
+                    causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                    return_lse: bool, backend: str):
+    """``flash_attn_varlen_func`` after validation: ``(out [total_q, Hq, D], lse [Hq, total_q] or [0])``."""
+    total_q, num_heads, head_dim = q.shape
+    out = allocate((total_q, num_heads, head_dim), q.dtype, q.device)
+    lse = _lse(return_lse, (num_heads, total_q), q.device)
+    with on_device(q):
+        dispatch.prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                                lse if return_lse else None, causal=causal, softmax_scale=softmax_scale,
+                                window_size=(window_left, window_right), softcap=softcap,
+                                alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
+    return out, lse
+
+
+def kvcache_fwd_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                     causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                     num_splits: int, return_lse: bool, backend: str):
+    """``flash_attn_with_kvcache`` after validation (appends ``k, v`` in place when given):
+    ``(out [B, T, Hq, D], lse [B, Hq, T] or [0])``."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    out = allocate((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+    lse = _lse(return_lse, (batch, num_heads, seqlen_q), q.device)
+    with on_device(q):
+        dispatch.decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse if return_lse else None,
+                        k_new=k, v_new=v, cache_leftpad=cache_leftpad, causal=causal, softmax_scale=softmax_scale,
+                        num_splits=num_splits, window_size=(window_left, window_right), softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
+    return out, lse
+
+
+# ---- the registered ops: replayed launches per argument layout ---------------------------------
+
+_OP_CALLS = CallCache()
+
+
+def _cached(name: str, tensors: tuple, scalars: tuple, run):
+    """``run()`` (the op's implementation on ``tensors`` and ``scalars``) through the op-level
+    call cache: replayed when a call of the same layouts and scalars ran before (CUDA only)."""
+    if not tensors[0].is_cuda:
+        return run()
+    key = (name, tuple([layout(t) for t in tensors]), scalars)
+    replay = _OP_CALLS.get(key)
+    if replay is not None:
+        return replay.run(tensors)
+    return _OP_CALLS.record(key, tensors, run)
+
+
+@torch.library.custom_op("flashkernel::fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.Tensor | None,
+            sinks: torch.Tensor | None, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+            softcap: float, return_lse: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    scalars = (causal, softmax_scale, window_left, window_right, softcap, return_lse, backend)
+    return _cached("fwd", (q, k, v, alibi_slopes, sinks), scalars,
+                   lambda: fwd_impl(q, k, v, alibi_slopes, sinks, *scalars))
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, alibi_slopes, sinks, causal, softmax_scale, window_left, window_right, softcap,
+              return_lse, backend):
+    batch, seqlen_q, num_heads, _ = q.shape
+    lse_shape = (batch, num_heads, seqlen_q) if return_lse else _EMPTY_LSE_SHAPE
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashkernel::varlen_fwd", mutates_args=())
+def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                   alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None, causal: bool, softmax_scale: float,
+                   window_left: int, window_right: int, softcap: float, return_lse: bool,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    scalars = (causal, softmax_scale, window_left, window_right, softcap, return_lse, backend)
+    return _cached("varlen_fwd", (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks),
+                   (max_seqlen_q, max_seqlen_k) + scalars,
+                   lambda: varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           alibi_slopes, sinks, *scalars))
+
+
+@_varlen_fwd_op.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
+                     causal, softmax_scale, window_left, window_right, softcap, return_lse, backend):
+    total_q, num_heads, _ = q.shape
+    lse_shape = (num_heads, total_q) if return_lse else _EMPTY_LSE_SHAPE
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashkernel::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def _kvcache_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                    v: torch.Tensor | None, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                    cache_leftpad: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+                    sinks: torch.Tensor | None, causal: bool, softmax_scale: float, window_left: int,
+                    window_right: int, softcap: float, num_splits: int, return_lse: bool,
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
+    scalars = (causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend)
+    return _cached("kvcache_fwd", tensors, scalars, lambda: kvcache_fwd_impl(*tensors, *scalars))
+
+
+@_kvcache_fwd_op.register_fake
+def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                      causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend):
+    batch, seqlen_q, num_heads, _ = q.shape
+    lse_shape = (batch, num_heads, seqlen_q) if return_lse else _EMPTY_LSE_SHAPE
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+fwd = torch.ops.flashkernel.fwd
+varlen_fwd = torch.ops.flashkernel.varlen_fwd
+kvcache_fwd = torch.ops.flashkernel.kvcache_fwd
+
+
+# ---- autograd -----------------------------------------------------------------------------------
+
+_BACKWARD_OPS: set[str] = set()
+
+
+def check_no_grad(op: str, tensors, what: str) -> None:
+    """Raise when gradients are wanted through ``op``, which has no backward: better than an
+    output that silently has no ``grad_fn``."""
+    if op in _BACKWARD_OPS or not torch.is_grad_enabled():
+        return
+    for name, t in tensors:
+        if t is not None and t.requires_grad:
+            raise RuntimeError(
+                f"{what} has no backward, and {name} requires grad: call it under torch.no_grad() or "
+                f"torch.inference_mode(), or pass {name}.detach()")
+
+
+def needs_grad(tensors) -> bool:
+    """Whether autograd would record a call on ``tensors`` (grad mode on, an input requiring grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
