@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashkernel import reference
-from flashkernel.bench import accuracy, measure, providers, runner, suites
+from flashkernel.bench import accuracy, measure, providers, registry, runner, suites
 from flashkernel.bench.providers import Prepared, Provider
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")
@@ -17,7 +17,7 @@ TIMER = "cuda-events" if DEVICE == "cuda" else "cpu-interpreter"
 
 
 def pick(workload, *names):
-    return providers.select(providers.providers_for(workload), list(names))
+    return registry.select(registry.providers_for(workload), list(names))
 
 
 def broken_provider(workload="prefill"):

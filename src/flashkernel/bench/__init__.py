@@ -7,6 +7,7 @@ the CLI can choose Triton's CPU interpreter first):
 * ``measure``   timing (CUDA events, CUDA graphs, CPU wall clock) and its statistics.
 * ``suites``    benchmark cases and the default sweeps.
 * ``providers`` one ``Provider`` shape for everything that computes attention.
+* ``registry``  every provider (flashkernel, SDPA, ``flex``, ``external``), in table order.
 * ``accuracy``  comparison against the float64 reference, shared by ``bench`` and ``check``.
 * ``runner``    runs a suite through the providers into result rows.
 * ``results``   environment, JSON / CSV files, readable tables.
