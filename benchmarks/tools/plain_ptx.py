@@ -22,18 +22,11 @@ import difflib
 import importlib.util
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from flashkernel.bench.compile_check import compile_triton, ptxas_report  # noqa: E402
 
 
 def load_module(path: str, name: str):
@@ -46,26 +39,9 @@ def load_module(path: str, name: str):
     return module
 
 
-def compile_kernel(fn, values: dict, num_warps: int, num_stages: int):
-    """``values``: argument name -> type string ("*bf16", "i32", "fp32") or constexpr value.
-    Arguments not named are int32 scalars. Pointers and ``stride_*`` (but those in ``unit``) get
-    the 16-divisibility attribute, as a launch with aligned tensors does."""
-    signature, constexprs, attrs = {}, {}, {}
-    unit = values.get("_unit_strides", ())
-    for i, name in enumerate(fn.arg_names):
-        value = values.get(name, "i32")
-        if isinstance(value, str) and (value.startswith("*") or value in ("i32", "fp32")):
-            signature[name] = value
-            if value.startswith("*") or (name.startswith("stride") and name not in unit):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "constexpr"
-            constexprs[name] = value
-    source = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
-
-
 def canonical_body(ptx: str) -> list[str]:
+    """The instructions of a PTX function body: parameter declarations and loads, debug
+    sections and location labels dropped, virtual registers renamed in order of first use."""
     lines, names = [], {}
     for line in ptx.split("\t.section\t.debug")[0].splitlines():
         s = line.strip()
@@ -81,14 +57,9 @@ def canonical_body(ptx: str) -> list[str]:
     return lines
 
 
-def ptxas_report(ptx: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    result = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", result.stderr)
-    spills = re.search(r"(\d+) bytes spill stores", result.stderr)
-    return f"{regs.group(1) if regs else '?'} regs, {spills.group(1) if spills else '?'} B spilled"
+def resources(ptx: str) -> str:
+    report = ptxas_report(ptx, sass=False)
+    return f"{report['registers']} regs, {report['spill_stores']} B spilled"
 
 
 # ---- specializations ------------------------------------------------------------------------------
@@ -147,12 +118,12 @@ def variant_cases(prefill, decode):
 
 
 def compare(label, fn_after, fn_before, values, warps, stages) -> bool:
-    after = compile_kernel(fn_after, values, warps, stages).asm["ptx"]
-    before = compile_kernel(fn_before, values, warps, stages).asm["ptx"]
+    after = compile_triton(fn_after, values, warps, stages).asm["ptx"]
+    before = compile_triton(fn_before, values, warps, stages).asm["ptx"]
     a, b = canonical_body(after), canonical_body(before)
     same = a == b
     detail = "identical" if same else f"DIFFERENT ({sum(1 for _ in difflib.unified_diff(b, a, n=0)) - 2} diff lines)"
-    print(f"{label:32s} {len(a):5d} instructions  {detail}  [{ptxas_report(after)}]", flush=True)
+    print(f"{label:32s} {len(a):5d} instructions  {detail}  [{resources(after)}]", flush=True)
     return same
 
 
@@ -175,8 +146,8 @@ def main(argv=None) -> int:
             ok &= compare(label, decode._decode_kernel, before._decode_kernel, values, warps, stages)
     if args.variants:
         for fn, label, values, warps, stages in variant_cases(prefill, decode):
-            ptx = compile_kernel(fn, values, warps, stages).asm["ptx"]
-            print(f"{label:40s} {ptxas_report(ptx)}", flush=True)
+            ptx = compile_triton(fn, values, warps, stages).asm["ptx"]
+            print(f"{label:40s} {resources(ptx)}", flush=True)
     return 0 if ok else 1
 
 
