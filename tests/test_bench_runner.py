@@ -60,10 +60,11 @@ def test_prefill_suite_checks_times_and_flags():
 
 def test_decode_suite():
     case = suites.DecodeCase(batch=2, context=37, heads=4, kv_heads=2, head_dim=32, page_size=16)
-    chosen = pick("decode", "flashkernel", "flashkernel-paged", "sdpa-math") + [broken_provider("decode")]
+    names = ("flashkernel", "flashkernel-paged", "flashkernel-baseline", "sdpa-math")
+    chosen = pick("decode", *names) + [broken_provider("decode")]
     result = runner.run_suite("decode", [case], chosen, CONFIG, progress=False)
     rows = by_provider(result.rows)
-    for name in ("flashkernel", "flashkernel-paged", "sdpa-math"):
+    for name in names:
         assert rows[name]["status"] == "ok", rows[name].get("message")
         assert rows[name]["bytes"] == 2 * 2 * 37 * 2 * 32 * 2 + 2 * 2 * 1 * 4 * 32 * 2
         assert rows[name]["model_steps_per_s"] > 0 and "model_steps_bound" not in rows[name]  # no ceilings given

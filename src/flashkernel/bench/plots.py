@@ -59,7 +59,7 @@ def _series(rows: list[dict], x_key: str, y_keys: tuple) -> dict:
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf", "#393b79", "#637939")
 PROVIDER_ORDER = ("flashkernel-paged", "standard", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math",
-                  "flex", "fa2", "fa3", "fa4", "flashinfer")
+                  "flex", "fa2", "fa3", "fa4", "flashinfer", "flashkernel-baseline")
 
 
 def provider_color(name: str) -> str:

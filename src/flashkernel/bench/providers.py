@@ -183,6 +183,22 @@ def build_flashkernel_paged_decode(inputs: DecodeInputs) -> Prepared:
                                block_table=inputs.block_table))
 
 
+def build_baseline_decode(inputs: DecodeInputs) -> Prepared:
+    """flashkernel's first decode kernel (one program per query head reading its KV head's
+    whole context, so K/V are read ``Hq / Hkv`` times), on the contiguous cache."""
+    from flashkernel.kernels import decode
+
+    q = inputs.q
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+
+    def run():
+        decode.baseline_decode(q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, None, out, None,
+                               causal=True, softmax_scale=scale)
+        return out
+    return Prepared(run)
+
+
 def build_standard_decode(inputs: DecodeInputs) -> Prepared:
     import flashkernel
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import external, flex
 from .providers import (
     Provider,
+    build_baseline_decode,
     build_flashkernel_decode,
     build_flashkernel_paged_decode,
     build_flashkernel_prefill,
@@ -43,6 +44,8 @@ def decode_providers() -> list[Provider]:
                  kvcache, build_flashkernel_decode),
         Provider("flashkernel-paged", "decode", "flashkernel.flash_attn_with_kvcache, paged cache + block_table",
                  kvcache, build_flashkernel_paged_decode),
+        Provider("flashkernel-baseline", "decode", "flashkernel's first decode kernel (a program per query head, "
+                 "K/V read Hq/Hkv times), contiguous cache", lambda _d: None, build_baseline_decode),
         Provider("standard", "decode", "flashkernel.standard_attention (3 kernels) on the cache",
                  lambda _d: None, build_standard_decode),
         *sdpa_providers("decode"),
