@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashkernel import reference
-from flashkernel.bench import accuracy, measure, providers, registry, runner, suites
+from flashkernel.bench import accuracy, measure, registry, runner, suites
 from flashkernel.bench.providers import Prepared, Provider
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")

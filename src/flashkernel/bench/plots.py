@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import formulas
+
 
 class PlottingUnavailable(RuntimeError):
     """matplotlib is not installed."""
@@ -208,8 +210,8 @@ def _roofline_points(doc: dict) -> dict:
     for row in ok_rows(doc):
         ms = row.get("graph_median_ms") or row.get("median_ms")
         if ms and row.get("bytes"):
-            tflops = row["flops"] / (ms * 1e-3) / 1e12
-            points.setdefault(row["provider"], []).append((row["flops"] / row["bytes"], tflops))
+            intensity = formulas.arithmetic_intensity(row["flops"], row["bytes"])
+            points.setdefault(row["provider"], []).append((intensity, formulas.tflops(row["flops"], ms)))
     return points
 
 
