@@ -15,4 +15,6 @@ the CLI can choose Triton's CPU interpreter first):
 * ``ceilings``  device facts and measured copy bandwidth / matmul TFLOP/s (cached).
 * ``check``     the correctness sweep of every public function.
 * ``profile``   one configuration under Nsight Compute plus Triton's resource report.
+* ``compile_check`` the Gluon kernels compiled for sm_90a without a GPU: spills, the instructions
+  their design rests on (``python -m flashkernel.bench.compile_check``; ``tests/test_gluon_compile.py``).
 """
