@@ -297,7 +297,7 @@ def test_auto_splits_depend_on_shapes_only():
 
 
 def test_gluon_kernel_runs_by_default_over_short_paged_items():
-    """The measured regime (docs/perf-notes.md "Sixth session"): paged caches at head dim 128,
+    """The measured regime (docs/perf-notes.md "Decode in Gluon"): paged caches at head dim 128,
     work items of at most GLUON_MAX_ITEM_TOKENS keys; contiguous caches stay on Triton."""
     assert decode.gluon_wanted(16, 128, 64) and decode.gluon_wanted(256, 128, 4096)
     assert not decode.gluon_wanted(16, 128, 4097)
