@@ -5,6 +5,7 @@ test modules import flashkernel.
 """
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -27,8 +28,11 @@ def poisoned_outputs(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    """Fresh random inputs per case, yet reproducible: the seed derives from the test id."""
-    torch.manual_seed(hash(request.node.nodeid) % (2**31))
+    """Fresh random inputs per case, yet reproducible: the seed derives from the test id.
+
+    ``zlib.crc32``, not ``hash``: Python salts ``hash`` of a string per process, so a failing
+    case would get other inputs in the next run (and in each xdist worker)."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def pytest_collection_modifyitems(config, items):

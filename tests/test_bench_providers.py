@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashkernel import reference
-from flashkernel.bench import external, flex, providers
+from flashkernel.bench import external, flex, providers, registry
 from flashkernel.bench.providers import Provider, availability
 
 
@@ -19,18 +19,18 @@ def fake_module(name, **attributes):
 
 
 def provider_named(workload, name):
-    return next(p for p in providers.providers_for(workload) if p.name == name)
+    return next(p for p in registry.providers_for(workload) if p.name == name)
 
 
 def test_every_provider_is_listed_once_per_workload():
     for workload in ("prefill", "decode"):
-        names = [p.name for p in providers.providers_for(workload)]
+        names = [p.name for p in registry.providers_for(workload)]
         assert len(names) == len(set(names))
         assert names[0] == "flashkernel"
         for expected in ("standard", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex", "fa2",
                          "fa3", "fa4", "flashinfer"):
             assert expected in names
-    assert "flashkernel-paged" in providers.all_provider_names()
+    assert "flashkernel-paged" in registry.all_provider_names()
 
 
 def test_absent_module_is_reported_not_installed(monkeypatch):
@@ -94,7 +94,7 @@ def test_sdpa_backends_on_cpu():
 
 
 def test_select_keeps_registry_order():
-    chosen = providers.select(providers.prefill_providers(), ["sdpa-math", "flashkernel", "flex"], ["flex"])
+    chosen = registry.select(registry.prefill_providers(), ["sdpa-math", "flashkernel", "flex"], ["flex"])
     assert [p.name for p in chosen] == ["flashkernel", "sdpa-math"]
 
 

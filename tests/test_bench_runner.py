@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashkernel import reference
-from flashkernel.bench import accuracy, measure, providers, runner, suites
+from flashkernel.bench import accuracy, measure, registry, runner, suites
 from flashkernel.bench.providers import Prepared, Provider
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")
@@ -17,7 +17,7 @@ TIMER = "cuda-events" if DEVICE == "cuda" else "cpu-interpreter"
 
 
 def pick(workload, *names):
-    return providers.select(providers.providers_for(workload), list(names))
+    return registry.select(registry.providers_for(workload), list(names))
 
 
 def broken_provider(workload="prefill"):
@@ -60,10 +60,11 @@ def test_prefill_suite_checks_times_and_flags():
 
 def test_decode_suite():
     case = suites.DecodeCase(batch=2, context=37, heads=4, kv_heads=2, head_dim=32, page_size=16)
-    chosen = pick("decode", "flashkernel", "flashkernel-paged", "sdpa-math") + [broken_provider("decode")]
+    names = ("flashkernel", "flashkernel-paged", "flashkernel-baseline", "sdpa-math")
+    chosen = pick("decode", *names) + [broken_provider("decode")]
     result = runner.run_suite("decode", [case], chosen, CONFIG, progress=False)
     rows = by_provider(result.rows)
-    for name in ("flashkernel", "flashkernel-paged", "sdpa-math"):
+    for name in names:
         assert rows[name]["status"] == "ok", rows[name].get("message")
         assert rows[name]["bytes"] == 2 * 2 * 37 * 2 * 32 * 2 + 2 * 2 * 1 * 4 * 32 * 2
         assert rows[name]["model_steps_per_s"] > 0 and "model_steps_bound" not in rows[name]  # no ceilings given

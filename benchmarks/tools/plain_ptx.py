@@ -1,8 +1,8 @@
 """Compile the plain prefill and decode kernels to PTX for sm_90a, without a GPU, and compare
 them with the kernels of another build: the check that a change left the plain path alone.
 
-    git show HEAD:src/flashkernel/kernels/prefill.py > /tmp/prefill_before.py
-    git show HEAD:src/flashkernel/kernels/decode.py > /tmp/decode_before.py
+    git show f66f25c:src/flashkernel/kernels/prefill.py > /tmp/prefill_before.py
+    git show f66f25c:src/flashkernel/kernels/decode.py > /tmp/decode_before.py
     PYTHONPATH=src python benchmarks/tools/plain_ptx.py --before-prefill /tmp/prefill_before.py \\
         --before-decode /tmp/decode_before.py
 
@@ -13,6 +13,11 @@ are compared after dropping parameter declarations and loads, debug sections and
 labels, and renaming virtual registers in order of first use: "identical" means the same
 instructions in the same order. ``--variants`` also compiles every variant specialization and
 reports registers and spills from ptxas (the ``-v`` report of the bundled ptxas).
+
+Both builds' kernels are compiled with the arguments a plain launch passes: the current
+kernels take every feature's arguments (inert for a plain call) and strides as tuples, the
+kernels of builds before f66f25c's successor had a separate plain entry point with separate
+stride arguments; :func:`as_current` maps one argument description onto the other.
 """
 
 from __future__ import annotations
@@ -22,18 +27,11 @@ import difflib
 import importlib.util
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from flashkernel.bench.compile_check import compile_triton, ptxas_report  # noqa: E402
 
 
 def load_module(path: str, name: str):
@@ -46,26 +44,9 @@ def load_module(path: str, name: str):
     return module
 
 
-def compile_kernel(fn, values: dict, num_warps: int, num_stages: int):
-    """``values``: argument name -> type string ("*bf16", "i32", "fp32") or constexpr value.
-    Arguments not named are int32 scalars. Pointers and ``stride_*`` (but those in ``unit``) get
-    the 16-divisibility attribute, as a launch with aligned tensors does."""
-    signature, constexprs, attrs = {}, {}, {}
-    unit = values.get("_unit_strides", ())
-    for i, name in enumerate(fn.arg_names):
-        value = values.get(name, "i32")
-        if isinstance(value, str) and (value.startswith("*") or value in ("i32", "fp32")):
-            signature[name] = value
-            if value.startswith("*") or (name.startswith("stride") and name not in unit):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "constexpr"
-            constexprs[name] = value
-    source = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
-
-
 def canonical_body(ptx: str) -> list[str]:
+    """The instructions of a PTX function body: parameter declarations and loads, debug
+    sections and location labels dropped, virtual registers renamed in order of first use."""
     lines, names = [], {}
     for line in ptx.split("\t.section\t.debug")[0].splitlines():
         s = line.strip()
@@ -81,14 +62,9 @@ def canonical_body(ptx: str) -> list[str]:
     return lines
 
 
-def ptxas_report(ptx: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    result = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", result.stderr)
-    spills = re.search(r"(\d+) bytes spill stores", result.stderr)
-    return f"{regs.group(1) if regs else '?'} regs, {spills.group(1) if spills else '?'} B spilled"
+def resources(ptx: str) -> str:
+    report = ptxas_report(ptx, sass=False)
+    return f"{report['registers']} regs, {report['spill_stores']} B spilled"
 
 
 # ---- specializations ------------------------------------------------------------------------------
@@ -117,6 +93,29 @@ def decode_plain_cases():
             yield f"decode page{page} {'causal' if causal else 'full'}", values, 4, 3
 
 
+PREFILL_STRIDES = dict(q_strides=3, k_strides=3, v_strides=3, o_strides=3, lse_strides=2, alibi_strides=2)
+DECODE_STRIDES = dict(q_strides=3, k_strides=3, v_strides=3, bt_strides=2, o_strides=4, lse_strides=4,
+                      alibi_strides=2)
+DECODE_UNIT = ("bt_strides[1]", "seqlens_stride", "lse_strides[3]", "alibi_strides[1]", "sink_stride", "start_stride")
+
+
+def as_current(values: dict, decode: bool) -> dict:
+    """A plain launch's arguments for the current one-kernel-per-family signature: the feature
+    pointers (ALiBi slopes, sinks, packed offsets, key starts) are the call's q (or lengths) as
+    a plain launch passes them, strides are tuples, the features off."""
+    current = {**values, **VARIANT_SCALARS, "Slopes": values["Q"], "Sinks": values["Q"],
+               "window_left": "i32", "window_right": "i32"}
+    for name, n in (DECODE_STRIDES if decode else PREFILL_STRIDES).items():
+        current[name] = ("i32",) * n
+    if decode:
+        current.update(Starts="*i32", seqlens_stride="i32", sink_stride="i32", start_stride="i32", HAS_START=False,
+                       _unit_strides=DECODE_UNIT)
+    else:
+        current.update(CuSeqlensQ=values["Q"], CuSeqlensK=values["Q"], sink_stride="i32", num_seqs=1,
+                       IS_VARLEN=False, BLOCK_B=1)
+    return current
+
+
 VARIANT_FLAGS = {
     "window": dict(HAS_WINDOW=True), "softcap": dict(HAS_SOFTCAP=True), "alibi": dict(HAS_ALIBI=True),
     "sinks": dict(HAS_SINKS=True), "all": dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_SINKS=True),
@@ -130,29 +129,30 @@ def variant_cases(prefill, decode):
         if "d128" not in label:
             continue
         for name, flags in VARIANT_FLAGS.items():
-            v = {**values, **VARIANT_SCALARS, **flags, "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32",
-                 "IS_VARLEN": False, "BLOCK_B": 1}
+            v = {**as_current(values, False), **flags, "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32",
+                 "Slopes": "*fp32", "Sinks": "*fp32"}
             if flags.get("HAS_WINDOW"):
                 v["CAUSAL"] = False
-            yield prefill._attention_variant_kernel, f"{label} +{name}", v, warps, stages
-        v = {**values, **VARIANT_SCALARS, "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "IS_VARLEN": True,
-             "BLOCK_B": 64}
-        yield prefill._attention_variant_kernel, f"{label} varlen", v, warps, stages
+            yield prefill._attention_fwd_kernel, f"{label} +{name}", v, warps, stages
+        v = {**as_current(values, False), "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "IS_VARLEN": True,
+             "BLOCK_B": 64, "num_seqs": "i32"}
+        yield prefill._attention_fwd_kernel, f"{label} varlen", v, warps, stages
     for label, values, warps, stages in decode_plain_cases():
-        for name, flags in VARIANT_FLAGS.items():
-            v = {**values, **VARIANT_SCALARS, **flags}
+        for name, flags in {**VARIANT_FLAGS, "start": dict(HAS_START=True)}.items():
+            v = {**as_current(values, True), **flags, "Slopes": "*fp32", "Sinks": "*fp32"}
             if flags.get("HAS_WINDOW"):
                 v["CAUSAL"] = False
-            yield decode._decode_variant_kernel, f"{label} +{name}", v, warps, stages
+            yield decode._decode_kernel, f"{label} +{name}", v, warps, stages
 
 
-def compare(label, fn_after, fn_before, values, warps, stages) -> bool:
-    after = compile_kernel(fn_after, values, warps, stages).asm["ptx"]
-    before = compile_kernel(fn_before, values, warps, stages).asm["ptx"]
+def compare(label, fn_after, fn_before, values, warps, stages, decode: bool) -> bool:
+    after = compile_triton(fn_after, as_current(values, decode), warps, stages).asm["ptx"]
+    before_values = values if "window_left" not in fn_before.arg_names else as_current(values, decode)
+    before = compile_triton(fn_before, before_values, warps, stages).asm["ptx"]
     a, b = canonical_body(after), canonical_body(before)
     same = a == b
     detail = "identical" if same else f"DIFFERENT ({sum(1 for _ in difflib.unified_diff(b, a, n=0)) - 2} diff lines)"
-    print(f"{label:32s} {len(a):5d} instructions  {detail}  [{ptxas_report(after)}]", flush=True)
+    print(f"{label:32s} {len(a):5d} instructions  {detail}  [{resources(after)}]", flush=True)
     return same
 
 
@@ -168,15 +168,16 @@ def main(argv=None) -> int:
     if args.before_prefill:
         before = load_module(args.before_prefill, "_ptx_before_prefill")
         for label, values, warps, stages in prefill_plain_cases():
-            ok &= compare(label, prefill._attention_fwd_kernel, before._attention_fwd_kernel, values, warps, stages)
+            ok &= compare(label, prefill._attention_fwd_kernel, before._attention_fwd_kernel, values, warps, stages,
+                          False)
     if args.before_decode:
         before = load_module(args.before_decode, "_ptx_before_decode")
         for label, values, warps, stages in decode_plain_cases():
-            ok &= compare(label, decode._decode_kernel, before._decode_kernel, values, warps, stages)
+            ok &= compare(label, decode._decode_kernel, before._decode_kernel, values, warps, stages, True)
     if args.variants:
         for fn, label, values, warps, stages in variant_cases(prefill, decode):
-            ptx = compile_kernel(fn, values, warps, stages).asm["ptx"]
-            print(f"{label:40s} {ptxas_report(ptx)}", flush=True)
+            ptx = compile_triton(fn, values, warps, stages).asm["ptx"]
+            print(f"{label:40s} {resources(ptx)}", flush=True)
     return 0 if ok else 1
 
 

@@ -138,7 +138,8 @@ def bench_ceilings(args, device):
 
 
 def list_providers(workloads, device) -> int:
-    from .bench.providers import availability, providers_for
+    from .bench.providers import availability
+    from .bench.registry import providers_for
     from .bench.results import format_table
 
     for workload in workloads:
@@ -152,7 +153,7 @@ def list_providers(workloads, device) -> int:
 
 
 def check_provider_names(parser, args) -> None:
-    from .bench.providers import all_provider_names
+    from .bench.registry import all_provider_names
 
     known = all_provider_names()
     for name in (args.providers or []) + (args.skip_providers or []):
@@ -162,7 +163,7 @@ def check_provider_names(parser, args) -> None:
 
 def run_workload(workload, args, argv, device, out_dir, ceiling) -> dict:
     from .bench import results
-    from .bench.providers import providers_for, select
+    from .bench.registry import providers_for, select
     from .bench.runner import RunConfig, run_suite
     from .bench.suites import cases_for
 

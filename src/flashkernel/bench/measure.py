@@ -49,8 +49,6 @@ class Timing:
     median_ms: float
     p10_ms: float
     p90_ms: float
-    mean_ms: float
-    min_ms: float
     samples: int
     calls_per_sample: int
     timer: str
@@ -73,13 +71,11 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(per_call_ms: Sequence[float], timer: str, calls_per_sample: int = 1) -> Timing:
-    """Median, p10, p90, mean and min of per-call times (one value per sample)."""
+    """Median, p10 and p90 of per-call times (one value per sample)."""
     return Timing(
         median_ms=quantile(per_call_ms, 0.5),
         p10_ms=quantile(per_call_ms, 0.1),
         p90_ms=quantile(per_call_ms, 0.9),
-        mean_ms=sum(per_call_ms) / len(per_call_ms),
-        min_ms=min(per_call_ms),
         samples=len(per_call_ms),
         calls_per_sample=calls_per_sample,
         timer=timer,

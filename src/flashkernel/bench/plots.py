@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import formulas
+
 
 class PlottingUnavailable(RuntimeError):
     """matplotlib is not installed."""
@@ -59,7 +61,7 @@ def _series(rows: list[dict], x_key: str, y_keys: tuple) -> dict:
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf", "#393b79", "#637939")
 PROVIDER_ORDER = ("flashkernel-paged", "standard", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math",
-                  "flex", "fa2", "fa3", "fa4", "flashinfer")
+                  "flex", "fa2", "fa3", "fa4", "flashinfer", "flashkernel-baseline")
 
 
 def provider_color(name: str) -> str:
@@ -208,8 +210,8 @@ def _roofline_points(doc: dict) -> dict:
     for row in ok_rows(doc):
         ms = row.get("graph_median_ms") or row.get("median_ms")
         if ms and row.get("bytes"):
-            tflops = row["flops"] / (ms * 1e-3) / 1e12
-            points.setdefault(row["provider"], []).append((row["flops"] / row["bytes"], tflops))
+            intensity = formulas.arithmetic_intensity(row["flops"], row["bytes"])
+            points.setdefault(row["provider"], []).append((intensity, formulas.tflops(row["flops"], ms)))
     return points
 
 

@@ -161,7 +161,7 @@ def triton_report(rows: list[dict]) -> str:
 
 def prepared_call(workload: str, case, provider_name: str, device: str):
     """The provider's ready call on fresh inputs of ``case``."""
-    from .providers import providers_for
+    from .registry import providers_for
     from .runner import make_inputs
 
     matches = [p for p in providers_for(workload) if p.name == provider_name]

@@ -1,4 +1,5 @@
-"""One ``Provider`` shape for everything that computes attention, and the registry.
+"""One ``Provider`` shape for everything that computes attention, the probes, and the builders of
+flashkernel's and PyTorch SDPA's providers (the full list is in ``registry``).
 
 A provider has a name, a one-line summary of what it calls, a ``probe`` that says why it cannot
 run here (or ``None`` when it can), and a ``build`` that turns benchmark inputs into a
@@ -182,6 +183,22 @@ def build_flashkernel_paged_decode(inputs: DecodeInputs) -> Prepared:
                                block_table=inputs.block_table))
 
 
+def build_baseline_decode(inputs: DecodeInputs) -> Prepared:
+    """flashkernel's first decode kernel (one program per query head reading its KV head's
+    whole context, so K/V are read ``Hq / Hkv`` times), on the contiguous cache."""
+    from flashkernel.kernels import decode
+
+    q = inputs.q
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+
+    def run():
+        decode.baseline_decode(q, inputs.k_cache, inputs.v_cache, inputs.cache_seqlens, None, out, None,
+                               causal=True, softmax_scale=scale)
+        return out
+    return Prepared(run)
+
+
 def build_standard_decode(inputs: DecodeInputs) -> Prepared:
     import flashkernel
 
@@ -245,67 +262,10 @@ def sdpa_decode_builder(backend_name: str) -> Callable[[DecodeInputs], Prepared]
     return lambda inputs: build_sdpa(backend_name, inputs.q, inputs.k_cache, inputs.v_cache, True)
 
 
-# --- registry ----------------------------------------------------------------------------------
-
-
-def _sdpa_providers(workload: str) -> list[Provider]:
+def sdpa_providers(workload: str) -> list[Provider]:
+    """One provider per SDPA backend for ``workload`` ("prefill" or "decode")."""
     builder = sdpa_prefill_builder if workload == "prefill" else sdpa_decode_builder
     return [
         Provider(name, workload, f"torch SDPA, backend {backend} forced", sdpa_probe(backend), builder(backend))
         for name, backend in SDPA_BACKENDS.items()
     ]
-
-
-def prefill_providers() -> list[Provider]:
-    """Every prefill provider, flashkernel first."""
-    from . import external, flex
-
-    return [
-        Provider("flashkernel", "prefill", "flashkernel.flash_attn_func (fused kernel: Gluon at d64/d128/d256 "
-                 "on Hopper, else Triton)", lambda _d: None, build_flashkernel_prefill),
-        Provider("flashkernel-triton", "prefill", "flashkernel's Triton forward kernel alone",
-                 lambda _d: None, build_flashkernel_triton_prefill),
-        Provider("standard", "prefill", "flashkernel.standard_attention (3 kernels, N x N in memory)",
-                 lambda _d: None, build_standard_prefill),
-        *_sdpa_providers("prefill"),
-        flex.prefill_provider(),
-        *external.prefill_providers(),
-    ]
-
-
-def decode_providers() -> list[Provider]:
-    """Every decode provider, flashkernel first."""
-    from . import external, flex
-
-    kvcache = needs_flashkernel("flash_attn_with_kvcache")
-    return [
-        Provider("flashkernel", "decode", "flashkernel.flash_attn_with_kvcache, contiguous cache",
-                 kvcache, build_flashkernel_decode),
-        Provider("flashkernel-paged", "decode", "flashkernel.flash_attn_with_kvcache, paged cache + block_table",
-                 kvcache, build_flashkernel_paged_decode),
-        Provider("standard", "decode", "flashkernel.standard_attention (3 kernels) on the cache",
-                 lambda _d: None, build_standard_decode),
-        *_sdpa_providers("decode"),
-        flex.decode_provider(),
-        *external.decode_providers(),
-    ]
-
-
-def providers_for(workload: str) -> list[Provider]:
-    if workload == "prefill":
-        return prefill_providers()
-    if workload == "decode":
-        return decode_providers()
-    raise ValueError(f"unknown workload {workload!r}")
-
-
-def all_provider_names() -> list[str]:
-    """Names across both workloads, in registry order."""
-    names = [p.name for p in prefill_providers()] + [p.name for p in decode_providers()]
-    return list(dict.fromkeys(names))
-
-
-def select(providers: list[Provider], names: list[str] | None, skip: list[str] | None = None) -> list[Provider]:
-    """Providers named in ``names`` (all when None) minus ``skip``, keeping registry order."""
-    chosen = [p for p in providers if names is None or p.name in names]
-    return [p for p in chosen if not skip or p.name not in skip]

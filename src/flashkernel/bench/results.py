@@ -40,9 +40,9 @@ STATUS_MARK = {"wrong": "WRONG", "error": "error", "oom": "OOM"}
 def git_commit(path: Path) -> str:
     """``HEAD``'s hash of the checkout holding ``path`` (with ``+dirty`` when modified).
 
-    ``FLASHKERNEL_GIT_COMMIT``, when set, wins: the caller knows what it copied (a lent GPU
-    machine's copy of the tree may carry no ``.git``, or a stale one, which reported the
-    session's first commit for later runs). Without it and without git: ''.
+    ``FLASHKERNEL_GIT_COMMIT``, when set, wins: the caller knows what it copied (a copy of the
+    tree on a remote GPU machine may carry no ``.git``, or a stale one that names an older
+    commit). Without it and without git: ''.
     """
     def git(*args):
         return subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, timeout=10)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Sequence
+from typing import Sequence
 
 PREFILL_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_HEAD_DIMS = (64, 128, 256)
@@ -25,7 +25,6 @@ DECODE_CONTEXTS = (1024, 4096, 32768, 131072)
 DECODE_MAX_TOKENS = 2 * 1024 * 1024
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
 DECODE_PAGE_SIZE = 256
-MODEL_LAYERS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +163,3 @@ def case_fields(case) -> dict:
     fields["workload"] = case.workload
     return fields
 
-
-def unique(values: Iterable) -> list:
-    """Values in first-seen order without repeats."""
-    return list(dict.fromkeys(values))
