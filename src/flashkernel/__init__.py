@@ -16,6 +16,8 @@ _LAZY = {
     "standard_attention": "interface",
     "flash_attn_with_kvcache": "interface",
     "KVCache": "kvcache",
+    "DecodePlan": "plans",
+    "VarlenPlan": "plans",
     "reference": None,
 }
 

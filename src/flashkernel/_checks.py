@@ -106,7 +106,7 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
             f"{softmax_scale!r}"
         )
     value = float(softmax_scale)
-    if not math.isfinite(value) or value <= 0:
+    if not 0 < value < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
         raise ValueError(
             f"softmax_scale must be finite and positive, got {softmax_scale!r} "
             "(None picks 1/sqrt(head_dim))"
@@ -374,7 +374,7 @@ def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__} {softcap!r}")
     value = float(softcap)
-    if not math.isfinite(value) or value < 0:
+    if not 0 <= value < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
         raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {softcap!r}")
     return value
 

@@ -3,6 +3,7 @@
     flashkernel info                       GPU facts and measured ceilings (cached)
     flashkernel check [--quick]            every public function vs the float64 reference
     flashkernel bench prefill|decode|all   side-by-side benchmark, result files and plots
+    flashkernel bench variants|overhead    variants vs FlexAttention; call cost vs cuDNN
     flashkernel profile [shape options]    one configuration under Nsight Compute
     flashkernel plot DIR                   re-draw the plots from the result files in DIR
     flashkernel report DIR [--markdown]    print their tables (Markdown for the README)
@@ -221,9 +222,24 @@ def cmd_bench_variants(args, device) -> int:
     return variants.main(argv)
 
 
+def cmd_bench_overhead(args, device) -> int:
+    """``bench overhead``: host and GPU time per call against cuDNN's, plan/run, a compiled
+    decode loop (``bench/overhead.py``)."""
+    if device != "cuda":
+        print("the call-cost benchmark needs a CUDA GPU (it times launches and CUDA graphs)")
+        return 2
+    from .bench import overhead
+
+    out_dir = Path(args.out) if args.out else default_out_dir(device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return overhead.main(["--out", str(out_dir / "overhead.json")])
+
+
 def cmd_bench(args, argv, device, parser) -> int:
     if args.workload == "variants":
         return cmd_bench_variants(args, device)
+    if args.workload == "overhead":
+        return cmd_bench_overhead(args, device)
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     if args.list_providers:
         return list_providers(workloads, device)
@@ -379,9 +395,10 @@ def _shape_options() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", parents=[_shape_options()], help="side-by-side benchmark",
                            description="Benchmark flashkernel against every provider importable here.")
-    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "all"), default="all",
+    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "overhead", "all"), default="all",
                        help="what to benchmark (default: all = prefill and decode; variants: window, "
-                            "softcap, ALiBi, sinks, varlen against FlexAttention)")
+                            "softcap, ALiBi, sinks, varlen against FlexAttention; overhead: host and GPU time "
+                            "per call against cuDNN)")
     bench.add_argument("--quick", action="store_true", help="a short sweep")
     bench.add_argument("--providers", nargs="+", help="only these providers (see --list-providers)")
     bench.add_argument("--skip-providers", nargs="+", help="leave these providers out")

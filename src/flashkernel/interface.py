@@ -58,6 +58,19 @@ def _replay(key, tensors):
     return None if replay is None else replay.run(tensors)
 
 
+def _check_values(validate, index_tensor: torch.Tensor) -> bool:
+    """Whether to read and check the values of the index tensors (lengths, offsets, pages):
+    ``validate=True`` always, ``None`` when they live on the CPU (no device sync). Not while
+    torch.compile traces (it cannot trace a read of tensor values): ``None`` skips, ``True``
+    is an error."""
+    if torch.compiler.is_compiling():
+        if validate:
+            raise ValueError("validate=True reads the index tensors' values, which torch.compile cannot trace; "
+                             "validate them before the compiled region, or pass validate=None")
+        return False
+    return bool(validate) or (validate is None and index_tensor.device.type == "cpu")
+
+
 def _validate_dense(q, k, v, causal, softmax_scale, return_lse) -> float:
     _checks.check_qkv(q, k, v, kernels_interpreted())
     _checks.check_flag("causal", causal)
@@ -290,7 +303,7 @@ def flash_attn_varlen_func(
     total_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
     dispatch.check_backend(backend)
-    if validate or (validate is None and cu_seqlens_q.device.type == "cpu"):
+    if _check_values(validate, cu_seqlens_q):
         _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], max_q, max_k)
     if batch == 0 or total_q == 0 or k.shape[0] == 0 or max_q == 0:
         out, lse = _empty_results(q, return_lse, sinks)
@@ -352,7 +365,7 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cac
     geometry = decode.CacheGeometry.of(k_cache, block_table)
     appended = q.shape[1] if k is not None else 0
     _checks.check_cache_capacity(q.shape[1], k is not None, geometry.capacity, block_table)
-    if validate or (validate is None and cache_seqlens.device.type == "cpu"):
+    if _check_values(validate, cache_seqlens):
         _checks.check_kvcache_values(cache_seqlens, block_table, appended, geometry.capacity,
                                      geometry.num_blocks, max(geometry.page_size, 1), cache_leftpad)
     return _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])

@@ -1,0 +1,248 @@
+"""Call cost: what one attention call costs its caller, on the host and on the GPU, against cuDNN.
+
+    flashkernel bench overhead --out benchmarks/results/h200            # writes overhead.json
+    python -m flashkernel.bench.overhead --out overhead.json --label after
+
+Uses the public API only, so the same file measures another build of flashkernel too (put that
+build's ``src`` first on ``PYTHONPATH`` and run this file by path with ``--label before``).
+
+Per call, for each provider (flashkernel's eager call, its plan/run call where the build has
+plans, SDPA's cuDNN backend's eager call):
+
+* ``eager_us``: median of ``triton.testing.do_bench`` over eager calls (it flushes L2 between
+  calls, so host time the GPU waits for shows up);
+* ``wall_us``: wall-clock time per call of 200 back-to-back eager calls, synchronised at the end
+  (what a loop of calls costs; the larger of host and GPU time);
+* ``host_us``: host time per call: the same loop, not synchronised (launches are asynchronous;
+  600 launches stay below the launch queue's depth);
+* ``gpu_us``: GPU time per call, from CUDA-graph replays of 20 calls (no host at all).
+
+Shapes (bf16): decode, 32 query heads, 8 KV heads, head dim 128, one new token, batch 1/8/64 x
+context 1k/4k, contiguous and pages of 16 (cuDNN gets the contiguous cache in its preferred
+``[B, H, S, D]`` layout); prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256,
+seqlen 512/1k/2k, causal and not. ``--sections compiled``: a 32-layer attention-only decode loop
+(append + attend per layer, B=1 and 8, context 1k) as eager calls, under ``torch.compile`` and
+under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashkernel
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DECODE = [(b, c, p) for b in (1, 8, 64) for c in (1024, 4096) for p in (0, 16)]
+PREFILL = [(d, s, causal) for d in (64, 128, 256) for s in (512, 1024, 2048) for causal in (False, True)]
+LOOP_CALLS = 200
+GRAPH_CALLS = 20
+LAYERS = 32
+
+
+# ---- timers -------------------------------------------------------------------------------------
+
+
+def eager_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def loop_us(fn, synchronize: bool, repeats: int = 7) -> float:
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(LOOP_CALLS):
+            fn()
+        if synchronize:
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / LOOP_CALLS * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def graph_us(fn) -> float | None:
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            fn()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(GRAPH_CALLS):
+                    fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / GRAPH_CALLS
+    except Exception as exc:  # noqa: BLE001 - a provider that cannot be captured reports no GPU time
+        print(f"    (no graph timing: {type(exc).__name__}: {str(exc)[:120]})", flush=True)
+        return None
+
+
+def measure(fn) -> dict:
+    for _ in range(5):
+        fn()  # warm-up: compile, record
+    torch.cuda.synchronize()
+    return dict(eager_us=eager_us(fn), wall_us=loop_us(fn, True), host_us=loop_us(fn, False), gpu_us=graph_us(fn))
+
+
+# ---- decode -------------------------------------------------------------------------------------
+
+
+def decode_inputs(batch: int, context: int, page: int):
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, context, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    if page == 0:
+        return q, k, v, seqlens, None
+    blocks = batch * context // page
+    order = torch.randperm(blocks, device="cuda")
+    k_pages = torch.empty(blocks, page, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[order] = k.reshape(blocks, page, KV_HEADS, HEAD_DIM)
+    v_pages[order] = v.reshape(blocks, page, KV_HEADS, HEAD_DIM)
+    return q, k_pages, v_pages, seqlens, order.to(torch.int32).view(batch, -1)
+
+
+def decode_rows(label: str) -> list[dict]:
+    rows = []
+    for batch, context, page in DECODE:
+        q, k_cache, v_cache, seqlens, block_table = decode_inputs(batch, context, page)
+        providers = {"flashkernel": lambda: flashkernel.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table)}
+        if hasattr(flashkernel, "DecodePlan"):
+            plan = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table)
+            providers["flashkernel_plan_run"] = lambda: plan.run(q, k_cache, v_cache)
+        if page == 0:
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k_cache, v_cache))
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            providers["sdpa_cudnn"] = cudnn
+        for name, fn in providers.items():
+            row = dict(workload="decode", label=label, provider=name, batch=batch, context=context, page_size=page,
+                       **measure(fn))
+            print(f"decode b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
+            rows.append(row)
+        del q, k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+
+
+def prefill_rows(label: str) -> list[dict]:
+    rows = []
+    for head_dim, seqlen, causal in PREFILL:
+        batch, heads = 16384 // seqlen, 2048 // head_dim
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        providers = {"flashkernel": lambda: flashkernel.flash_attn_func(q, k, v, causal=causal), "sdpa_cudnn": cudnn}
+        for name, fn in providers.items():
+            row = dict(workload="prefill", label=label, provider=name, head_dim=head_dim, seqlen=seqlen, causal=causal,
+                       batch=batch, heads=heads, **measure(fn))
+            print(f"prefill d={head_dim:3d} s={seqlen:4d} {'causal' if causal else 'full  '} {name:22s} " + cells(row),
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
+# ---- a compiled decode loop ----------------------------------------------------------------------
+
+
+class AttentionOnlyDecoder(torch.nn.Module):
+    """``LAYERS`` layers, each appending one token to its own cache and attending to it."""
+
+    def __init__(self, batch: int, capacity: int):
+        super().__init__()
+        shape = (LAYERS, batch, capacity, KV_HEADS, HEAD_DIM)
+        self.register_buffer("k_caches", torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+        self.register_buffer("v_caches", torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+
+    def forward(self, q, k, v, seqlens):
+        out = q[0]
+        for layer in range(LAYERS):
+            out = flashkernel.flash_attn_with_kvcache(q[layer] + out, self.k_caches[layer], self.v_caches[layer],
+                                                      k=k[layer], v=v[layer], cache_seqlens=seqlens)
+        return out
+
+
+def compiled_rows(label: str) -> list[dict]:
+    rows = []
+    for batch in (1, 8):
+        context, steps = 1024, 30
+        inputs = [torch.randn(LAYERS, batch, 1, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                  for h in (HEADS, KV_HEADS, KV_HEADS)]
+        for mode in ("eager", "compiled", "reduce-overhead"):
+            model = AttentionOnlyDecoder(batch, context + 2 * steps + 16)
+            if mode == "compiled":
+                model = torch.compile(model, fullgraph=True)
+            elif mode == "reduce-overhead":
+                model = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+            seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            try:
+                times = []
+                for step in range(2 * steps):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    model(*inputs, seqlens)
+                    end.record()
+                    seqlens += 1
+                    torch.cuda.synchronize()
+                    if step >= steps:  # after warm-up and compilation
+                        times.append(start.elapsed_time(end) * 1e3)
+                row = dict(workload="compiled", label=label, provider=f"flashkernel_{mode}", batch=batch,
+                           context=context, layers=LAYERS, step_us=statistics.median(times))
+            except Exception as exc:  # noqa: BLE001 - report the failure as the row
+                row = dict(workload="compiled", label=label, provider=f"flashkernel_{mode}", batch=batch,
+                           context=context, layers=LAYERS, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(f"compiled b={batch} {mode:16s} " + (f"{row['step_us']:9.1f} us/step" if "step_us" in row
+                                                        else row["error"]), flush=True)
+            rows.append(row)
+            torch._dynamo.reset()
+    return rows
+
+
+def cells(row: dict) -> str:
+    def fmt(x):
+        return "    -  " if x is None else f"{x:7.1f}"
+    return " ".join(f"{key[:-3]} {fmt(row[key])}" for key in ("eager_us", "wall_us", "host_us", "gpu_us"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="JSON file to write")
+    parser.add_argument("--label", default="current", help="name of this build in the results")
+    parser.add_argument("--sections", nargs="+", default=["decode", "prefill", "compiled"],
+                        choices=("decode", "prefill", "compiled"))
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    rows = []
+    for section in args.sections:
+        rows += {"decode": decode_rows, "prefill": prefill_rows, "compiled": compiled_rows}[section](args.label)
+    doc = dict(command=" ".join(sys.argv), label=args.label, gpu=torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+               flashkernel_path=flashkernel.__file__, time=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Plan once, run per layer: the serving loop's calls without repeated work.
+
+A decode step calls attention once per layer with the same lengths, block table, shapes and
+variant; only ``q``, the layer's caches and the new keys/values change. :class:`DecodePlan`
+validates everything that is fixed for the step once (including the values of the lengths and
+the block table, when asked), and :meth:`DecodePlan.run` takes only the per-layer tensors: the
+first run records its launches and later runs replay them with the new tensors' addresses
+(``kernels/_launch.py``), after checking that each tensor has the planned layout.
+:class:`VarlenPlan` does the same for packed prefill (``cu_seqlens`` planned once per batch).
+
+A plan is made from the first layer's arguments, exactly as they would be passed to the
+function, and checks that every later layer's tensors have the same shapes, strides, dtypes and
+device. Example (one decode step of a 32-layer model over a paged cache)::
+
+    plan = DecodePlan(q[0], k_caches[0], v_caches[0], k=k[0], v=v[0], cache_seqlens=seqlens,
+                      block_table=block_table)
+    for layer in range(32):
+        out = plan.run(q[layer], k_caches[layer], v_caches[layer], k=k[layer], v=v[layer])
+
+A plan holds the lengths and block table it was made with (not copies): update them in place
+between steps and make a new plan when shapes or variants change. Results are bit-identical to
+:func:`flashkernel.flash_attn_with_kvcache` / :func:`flashkernel.flash_attn_varlen_func` with
+the same arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, interface, ops
+from .kernels import decode, dispatch
+from .kernels._launch import CallCache, layout
+
+__all__ = ["DecodePlan", "VarlenPlan"]
+
+
+def _same_layout(name: str, x, expected) -> bool:
+    """Whether ``x`` has the planned layout ``expected`` (``kernels._launch.layout``) including
+    its address's alignment; raises when the shape, strides, dtype or device differ."""
+    if x is None or expected is None:
+        if (x is None) != (expected is None):
+            raise ValueError(f"{name} was {'given' if expected is not None else 'not given'} when the plan was made: "
+                             f"pass it {'again' if expected is not None else 'not at all'}, or make a new plan")
+        return True
+    _checks.check_tensor(name, x)
+    got = layout(x)
+    if got[:4] != expected[:4]:
+        shape, stride, dtype, device, _ = expected
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}, strides {x.stride()}, dtype {x.dtype} on {x.device}; the plan "
+            f"was made for shape {tuple(shape)}, strides {stride}, dtype {dtype} on {device}: make a new plan "
+            "for it")
+    return got == expected
+
+
+class _Plan:
+    """Shared run machinery: per-layer tensors checked against the planned layouts, the first
+    run recorded, later runs replayed."""
+
+    def __init__(self, names, examples):
+        self._names = names
+        self._layouts = tuple(layout(x) for x in examples)
+        self._calls = CallCache(max_entries=1)
+
+    def _run(self, tensors, fixed, call):
+        same = [_same_layout(name, x, expected) for name, x, expected in zip(self._names, tensors, self._layouts)]
+        inputs = tuple(tensors) + tuple(fixed)
+        if not all(same) or not tensors[0].is_cuda or torch.compiler.is_compiling():
+            return call()  # another alignment (a recompile for Triton), the CPU, or a trace
+        replay = self._calls.get(0)
+        if replay is not None:
+            return replay.run(inputs)
+        return self._calls.record(0, inputs, call)
+
+
+class DecodePlan(_Plan):
+    """One decode step's fixed part, made from the first layer's arguments; :meth:`run` per layer.
+
+    The arguments are those of ``flash_attn_with_kvcache`` for one layer. ``cache_seqlens``,
+    ``block_table``, ``cache_leftpad``, ``alibi_slopes`` and ``sinks`` are kept (not copied: update
+    them in place between steps); the values of the lengths, block table and key starts are
+    checked now with ``validate=True`` (one device-to-host copy per plan), or when they are on the
+    CPU with ``validate=None``. ``q``, ``k_cache``, ``v_cache``, ``k``, ``v`` are examples: each
+    :meth:`run` takes its layer's, which must have the same shapes, strides, dtypes and device.
+    """
+
+    def __init__(self, q, k_cache, v_cache, *, k=None, v=None, cache_seqlens, block_table=None,
+                 cache_leftpad=None, causal: bool = True, softmax_scale=None, window_size=_checks.NO_WINDOW,
+                 softcap=0.0, alibi_slopes=None, sinks=None, num_splits: int = 0, return_lse: bool = False,
+                 validate: bool | None = None, backend: str = "auto"):
+        scale = interface._validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
+                                            causal, softmax_scale, num_splits, return_lse, validate)
+        window, cap = _checks.check_variant(q, q.shape[0], q.shape[2], window_size, softcap, alibi_slopes, sinks)
+        dispatch.check_backend(backend)
+        super().__init__(("q", "k_cache", "v_cache", "k", "v"), (q, k_cache, v_cache, k, v))
+        self.empty = q.numel() == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0
+        self._fixed = (cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
+        self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
+        self.return_lse = return_lse
+
+    def run(self, q, k_cache, v_cache, k=None, v=None):
+        """Attention for one layer (appending ``k, v`` when the plan was made with them). Returns
+        ``out`` (and ``lse`` with ``return_lse=True``) as ``flash_attn_with_kvcache`` does."""
+        tensors = (q, k_cache, v_cache, k, v)
+        if self.empty:
+            results = interface._empty_results(q, self.return_lse, self._fixed[-1])
+        else:
+            ops.check_no_grad("kvcache_fwd", (("q", q), ("k", k), ("v", v)), "DecodePlan.run")
+            results = self._run(tensors, self._fixed,
+                                lambda: ops.kvcache_fwd_impl(*tensors, *self._fixed, *self._scalars))
+        return results if self.return_lse else results[0]
+
+
+class VarlenPlan(_Plan):
+    """One packed batch's fixed part, made from the first layer's arguments of
+    ``flash_attn_varlen_func``; :meth:`run` per layer.
+
+    ``cu_seqlens_q``, ``cu_seqlens_k``, ``alibi_slopes`` and ``sinks`` are kept (not copied); the
+    offsets' values are checked now with ``validate=True`` (or on the CPU with ``None``). ``q``,
+    ``k``, ``v`` are examples: each :meth:`run` takes its layer's, of the same layouts.
+    """
+
+    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                 causal: bool = False, softmax_scale=None, window_size=_checks.NO_WINDOW, softcap=0.0,
+                 alibi_slopes=None, sinks=None, return_lse: bool = False, validate: bool | None = None,
+                 backend: str = "auto"):
+        max_q, max_k = _checks.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   interface.kernels_interpreted())
+        for name, flag in (("causal", causal), ("return_lse", return_lse)):
+            _checks.check_flag(name, flag)
+        _checks.check_optional_flag("validate", validate)
+        scale = _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
+        batch = cu_seqlens_q.shape[0] - 1
+        window, cap = _checks.check_variant(q, batch, q.shape[1], window_size, softcap, alibi_slopes, sinks)
+        dispatch.check_backend(backend)
+        if interface._check_values(validate, cu_seqlens_q):
+            _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_q, max_k)
+        super().__init__(("q", "k", "v"), (q, k, v))
+        self.empty = batch == 0 or q.shape[0] == 0 or k.shape[0] == 0 or max_q == 0
+        self._fixed = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+        self._args = (cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks, causal, scale, *window, cap,
+                      return_lse, backend)
+        self.return_lse = return_lse
+
+    def run(self, q, k, v):
+        """Attention for one layer: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``."""
+        if self.empty:
+            results = interface._empty_results(q, self.return_lse, self._fixed[-1])
+        else:
+            ops.check_no_grad("varlen_fwd", (("q", q), ("k", k), ("v", v)), "VarlenPlan.run")
+            results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args))
+        return results if self.return_lse else results[0]

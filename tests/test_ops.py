@@ -1,0 +1,416 @@
+"""The op layer (``ops.py``) and the eager fast path (recorded launches, ``kernels/_launch.py``).
+
+CPU (Triton's interpreter): ``torch.library.opcheck`` of each op, ``torch.compile`` with
+``fullgraph=True`` (no graph break) equal to eager, dynamic shapes without a recompile per
+length, the errors for gradients, the per-sequence key start. GPU: replayed calls are
+bit-identical to the full path after any change of shape, dtype, stride, device or variant; a
+bad input after many good calls still gets its error; CUDA-graph capture of compiled decode
+loops replays correctly as lengths grow.
+"""
+
+import pytest
+import torch
+
+import flashkernel
+from flashkernel import interface, ops, reference
+from flashkernel.kernels import _launch
+from helpers import DEVICE, assert_output_close, random_qkv
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _cache_inputs(batch=2, capacity=40, kv_heads=2, heads=4, head_dim=32, dtype=torch.float16, seqlen_q=1,
+                  lengths=(7, 30)):
+    q = torch.randn(batch, seqlen_q, heads, head_dim, dtype=dtype, device=DEVICE)
+    k_cache = torch.randn(batch, capacity, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    k = torch.randn(batch, seqlen_q, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn_like(k)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, k, v, seqlens
+
+
+# ---- torch.library ------------------------------------------------------------------------------
+
+
+def test_opcheck_fwd():
+    q, k, v = random_qkv(1, 9, 12, 4, 2, 32, torch.float16)
+    for args in [(q, k, v, None, None, True, 0.2, -1, -1, 0.0, True, "auto"),
+                 (q, k, v, None, torch.randn(4, device=DEVICE), False, 0.2, 3, 0, 5.0, False, "triton")]:
+        torch.library.opcheck(torch.ops.flashkernel.fwd.default, args)
+
+
+def test_opcheck_varlen_fwd():
+    q, k, v = (torch.randn(13, 4, 32, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32, device=DEVICE)
+    args = (q, k[:, :2], v[:, :2], cu, cu, 8, 8, None, None, True, 0.2, -1, -1, 0.0, True, "auto")
+    torch.library.opcheck(torch.ops.flashkernel.varlen_fwd.default, args)
+
+
+def test_opcheck_kvcache_fwd_declares_its_mutation():
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs()
+    for new in ((k, v), (None, None)):
+        args = (q, k_cache, v_cache, *new, seqlens, None, None, None, None, True, 0.2, -1, -1, 0.0, 0, True, "auto")
+        torch.library.opcheck(torch.ops.flashkernel.kvcache_fwd.default, args)
+
+
+# ---- torch.compile ------------------------------------------------------------------------------
+
+
+class _Decoder(torch.nn.Module):
+    """Two attention-only layers over static caches: append one token, attend."""
+
+    def __init__(self, k_caches, v_caches):
+        super().__init__()
+        self.k_caches, self.v_caches = k_caches, v_caches
+
+    def forward(self, qs, ks, vs, seqlens):
+        outs = []
+        for q, k, v, k_cache, v_cache in zip(qs, ks, vs, self.k_caches, self.v_caches):
+            outs.append(flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens))
+        return torch.stack(outs)
+
+
+def test_compiled_prefill_has_no_graph_break_and_equals_eager():
+    q, k, v = random_qkv(2, 9, 9, 4, 2, 32, torch.float16)
+
+    def f(q, k, v):
+        out, lse = flashkernel.flash_attn_func(q * 1.0, k, v, causal=True, return_lse=True)
+        packed = flashkernel.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                    cu, cu, 9, 9, causal=True)
+        return out + 1, lse, packed
+
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32, device=DEVICE)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(q, k, v), f(q, k, v)):
+        assert torch.equal(got, want)
+
+
+def test_compiled_decode_appends_like_eager():
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs()
+    eager_caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    compiled_caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    qs, ks, vs = (torch.stack([x, x.flip(0)]) for x in (q, k, v))
+    eager = _Decoder([c[0] for c in eager_caches], [c[1] for c in eager_caches])
+    model = _Decoder([c[0] for c in compiled_caches], [c[1] for c in compiled_caches])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(qs, ks, vs, seqlens), eager(qs, ks, vs, seqlens))
+    for (ke, ve), (kc, vc) in zip(eager_caches, compiled_caches):
+        assert torch.equal(ke, kc) and torch.equal(ve, vc)  # the in-place append happened in both
+
+
+def test_dynamic_lengths_compile_once():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def f(q, k, v):
+        return flashkernel.flash_attn_func(q, k, v, causal=True)
+
+    compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
+    frames = []
+    for seqlen in (5, 7, 11, 30):
+        q, k, v = random_qkv(1, seqlen, seqlen, 2, 2, 32, torch.float16)
+        assert torch.equal(compiled(q, k, v), f(q, k, v))
+        frames.append(counter.frame_count)
+    assert frames[1:] == frames[:1] * 3, frames  # compiled for the first length only
+
+
+# ---- autograd boundary --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", ["flash_attn_with_kvcache", "standard_attention"])
+def test_gradients_are_refused_where_there_is_no_backward(fn):
+    if fn == "flash_attn_with_kvcache":
+        q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
+        q.requires_grad_(True)
+        call = lambda: flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # noqa: E731
+    else:
+        q, k, v = random_qkv(1, 5, 5, 2, 2, 32, torch.float16)
+        k.requires_grad_(True)
+        call = lambda: flashkernel.standard_attention(q, k, v)  # noqa: E731
+    with pytest.raises(RuntimeError, match="has no backward.*requires grad.*torch.no_grad"):
+        call()
+    with torch.no_grad():
+        call()  # fine without gradients
+
+
+# ---- per-sequence key start ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+@pytest.mark.parametrize("append", [False, True])
+def test_cache_leftpad_attends_from_each_start(page_size, append):
+    lengths, starts = (9, 33, 0, 20), (3, 0, 0, 20)
+    batch, heads, kv_heads, head_dim, capacity = 4, 8, 2, 32, 48
+    q = torch.randn(batch, 2, heads, head_dim, dtype=torch.float16, device=DEVICE)
+    k_cache = torch.randn(batch, capacity, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    block_table = None
+    if page_size is not None:
+        blocks = capacity // page_size
+        perm = torch.randperm(batch * blocks, device=DEVICE).to(torch.int32)
+        block_table = perm.view(batch, blocks)
+        pages_k = torch.empty(batch * blocks, page_size, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+        pages_v = torch.empty_like(pages_k)
+        pages_k[perm.long()] = k_cache.view(batch * blocks, page_size, kv_heads, head_dim)
+        pages_v[perm.long()] = v_cache.view(batch * blocks, page_size, kv_heads, head_dim)
+        k_cache, v_cache = pages_k, pages_v
+    new = [torch.randn(batch, 2, kv_heads, head_dim, dtype=torch.float16, device=DEVICE) for _ in range(2)] \
+        if append else [None, None]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    leftpad = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    want, want_lse = reference.attention_with_kvcache(q, k_cache, v_cache, seqlens, k=new[0], v=new[1],
+                                                      block_table=block_table, cache_leftpad=leftpad)
+    out, lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=new[0], v=new[1], cache_seqlens=seqlens,
+                                                   block_table=block_table, cache_leftpad=leftpad, return_lse=True,
+                                                   num_splits=2)
+    for b in range(batch):
+        length = lengths[b] + (2 if append else 0)
+        if length - starts[b] == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()
+            continue
+        keys = reference.cache_prefix(k_cache, b, length, block_table)[None, starts[b]:]
+        values = reference.cache_prefix(v_cache, b, length, block_table)[None, starts[b]:]
+        assert_output_close(out[b:b + 1], q[b:b + 1], keys, values, causal=True, lse=lse[b:b + 1])
+    assert torch.allclose(lse[torch.isfinite(want_lse)].double(), want_lse[torch.isfinite(want_lse)], atol=1e-4)
+
+
+def test_cache_leftpad_errors():
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
+    with pytest.raises(TypeError, match="cache_leftpad has dtype int64; it must be int32"):
+        flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                            cache_leftpad=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"cache_leftpad must have shape \(2,\)"):
+        flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                            cache_leftpad=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 31 lies outside \[0, 30\]"):
+        flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, validate=True,
+                                            cache_leftpad=torch.tensor([0, 31], dtype=torch.int32, device=DEVICE))
+
+
+def test_sinks_in_the_callers_dtype():
+    q, k, v = random_qkv(1, 7, 9, 4, 2, 32, torch.float16)
+    sinks = torch.randn(4, dtype=torch.float16, device=DEVICE)
+    out = flashkernel.flash_attn_func(q, k, v, causal=True, sinks=sinks)
+    assert_output_close(out, q, k, v, causal=True, sinks=sinks.float())
+    with pytest.raises(TypeError, match="sinks has dtype int32"):
+        flashkernel.flash_attn_func(q, k, v, sinks=torch.zeros(4, dtype=torch.int32, device=DEVICE))
+
+
+# ---- the eager fast path (GPU: recorded launches replay only on CUDA) ----------------------------
+
+
+def _full_path(fn, *args, **kwargs):
+    """``fn`` with nothing recorded: validation, dispatch and launches every time."""
+    interface._EAGER_CALLS.clear()
+    result = fn(*args, **kwargs)
+    interface._EAGER_CALLS.clear()
+    return result
+
+
+@pytest.mark.gpu
+def test_replayed_calls_equal_the_full_path_gpu():
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            q, k, v = random_qkv(2, 300, 500, 8, 2, 128, dtype)
+            cases.append((flashkernel.flash_attn_func, (q, k, v), dict(causal=causal, return_lse=True)))
+            cases.append((flashkernel.flash_attn_func, (q, k, v), dict(causal=causal, softcap=30.0,
+                                                                       window_size=(100, 0))))
+            cases.append((flashkernel.flash_attn_func, (q[:, :, :, :64], k[..., :64], v[..., :64]), {}))
+    cu = torch.tensor([0, 100, 333], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (torch.randn(333, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    cases.append((flashkernel.flash_attn_varlen_func, (qv, kv, vv, cu, cu, 233, 233), dict(causal=True)))
+    for page in (None, 16):
+        q, k_cache, v_cache, k, v, seqlens = _cache_inputs(4, 1024, 8, 32, 128, torch.bfloat16, 1,
+                                                           (1000, 0, 17, 513))
+        bt = None
+        if page:
+            k_cache, v_cache = (x.view(-1, page, 8, 128) for x in (k_cache, v_cache))
+            bt = torch.randperm(k_cache.shape[0], device="cuda").to(torch.int32).view(4, -1)
+        cases.append((flashkernel.flash_attn_with_kvcache, (q, k_cache, v_cache),
+                      dict(cache_seqlens=seqlens, block_table=bt, return_lse=True)))
+    for fn, args, kwargs in cases:
+        want = _full_path(fn, *args, **kwargs)
+        for _ in range(3):  # first call records, then replays
+            got = fn(*args, **kwargs)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                assert torch.equal(g, w)
+        assert len(interface._EAGER_CALLS) >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", ["shape", "dtype", "stride", "variant", "alignment", "lse", "backend"])
+def test_a_changed_call_is_not_served_a_stale_replay_gpu(change):
+    q, k, v = random_qkv(2, 256, 256, 8, 8, 128, torch.bfloat16)
+    kwargs = dict(causal=True)
+    flashkernel.flash_attn_func(q, k, v, **kwargs)
+    flashkernel.flash_attn_func(q, k, v, **kwargs)
+    if change == "shape":
+        q, k, v = random_qkv(2, 255, 256, 8, 8, 128, torch.bfloat16)
+    elif change == "dtype":
+        q, k, v = (x.half() for x in (q, k, v))
+    elif change == "stride":
+        big = torch.randn(2, 256, 8, 2, 128, dtype=torch.bfloat16, device="cuda")
+        q = big[:, :, :, 0]
+    elif change == "variant":
+        kwargs["softcap"] = 20.0
+    elif change == "alignment":  # 2-byte aligned: TMA cannot take it, Triton specializes on it
+        q = torch.randn(q.numel() + 1, dtype=torch.bfloat16, device="cuda")[1:].view(q.shape)
+    elif change == "lse":
+        kwargs["return_lse"] = True
+    elif change == "backend":
+        kwargs["backend"] = "triton"
+    got = flashkernel.flash_attn_func(q, k, v, **kwargs)
+    got = got[0] if isinstance(got, tuple) else got
+    assert_output_close(got, q, k, v, causal=True, softcap=kwargs.get("softcap", 0.0))
+
+
+@pytest.mark.gpu
+def test_bad_input_after_many_good_calls_still_fails_gpu():
+    q, k, v = random_qkv(1, 64, 64, 4, 4, 128, torch.bfloat16)
+    for _ in range(20):
+        flashkernel.flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flashkernel.flash_attn_func(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        flashkernel.flash_attn_func(q, k.half(), v, causal=True)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        flashkernel.flash_attn_func(q, k, v, causal=True, softmax_scale=float("nan"))
+    q1, k_cache, v_cache, _, _, seqlens = _cache_inputs(2, 64, 4, 4, 128, torch.bfloat16)
+    for _ in range(20):
+        flashkernel.flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=seqlens)
+    with pytest.raises(TypeError, match="cache_seqlens has dtype int64"):
+        flashkernel.flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=seqlens.long())
+
+
+@pytest.mark.gpu
+def test_replay_on_another_device_or_stream_gpu():
+    q, k, v = random_qkv(1, 128, 128, 4, 4, 128, torch.bfloat16)
+    want = _full_path(flashkernel.flash_attn_func, q, k, v)
+    flashkernel.flash_attn_func(q, k, v)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        got = flashkernel.flash_attn_func(q, k, v)
+    stream.synchronize()
+    assert torch.equal(got, want)
+    if torch.cuda.device_count() > 1:
+        q2, k2, v2 = (x.to("cuda:1") for x in (q, k, v))
+        assert torch.equal(flashkernel.flash_attn_func(q2, k2, v2).cpu(), want.cpu())
+
+
+@pytest.mark.gpu
+def test_compiled_decode_loop_with_cuda_graphs_replays_as_lengths_grow_gpu():
+    torch._dynamo.reset()
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(2, 256, 8, 32, 128, torch.bfloat16, 1, (5, 100))
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    refs = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    model = _Decoder([c[0] for c in caches], [c[1] for c in caches])
+    eager = _Decoder([c[0] for c in refs], [c[1] for c in refs])
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    lengths = seqlens.clone()
+    for step in range(8):
+        qs, ks, vs = (torch.randn(2, *x.shape, dtype=x.dtype, device="cuda") for x in (q, k, v))
+        got = compiled(qs, ks, vs, lengths).clone()
+        want = eager(qs, ks, vs, lengths)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+        lengths += 1
+    for (kc, vc), (kr, vr) in zip(caches, refs):
+        assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+def test_fake_launch_replay_takes_integer_addresses(monkeypatch):
+    """The replay passes every tensor as its address and the rest as recorded (no GPU)."""
+    calls = []
+
+    class Runner:
+        num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+        global_scratch_size = profile_scratch_size = 0
+
+        def launch(self, *args):
+            calls.append(args)
+
+    class Compiled:
+        function, packed_metadata, run = "fn", "meta", Runner()
+
+    a, b = torch.empty(8), torch.empty(8)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    rec = _launch.Recorder((a, b))
+    rec.spoiled = False
+    rec.add(Compiled(), (3,), (a, 7, b, 0.5), device=0)
+    replay = rec.finish((None,))
+    assert replay is not None
+    class Driver:
+        class active:
+            get_current_device = staticmethod(lambda: 0)
+            get_current_stream = staticmethod(lambda device: 99)
+
+    monkeypatch.setattr(_launch, "driver", Driver)
+    c, d = torch.empty(8), torch.empty(8)
+    replay.run((c, d))
+    (args,) = calls
+    assert args[:9] == (3, 1, 1, 99, "fn", False, False, None, None)
+    assert args[13:] == (c.data_ptr(), 7, d.data_ptr(), 0.5)
+
+
+# ---- plans ------------------------------------------------------------------------------------
+
+
+def test_decode_plan_runs_each_layer_like_the_function():
+    layers = [_cache_inputs(lengths=(7, 30)) for _ in range(3)]
+    seqlens = layers[0][5]
+    q0, kc0, vc0, k0, v0, _ = layers[0]
+    plan = flashkernel.DecodePlan(q0, kc0, vc0, k=k0, v=v0, cache_seqlens=seqlens, return_lse=True, validate=True)
+    for q, k_cache, v_cache, k, v, _ in layers:
+        k_copy, v_copy = k_cache.clone(), v_cache.clone()
+        out, lse = plan.run(q, k_cache, v_cache, k=k, v=v)
+        want, want_lse = flashkernel.flash_attn_with_kvcache(q, k_copy, v_copy, k=k, v=v, cache_seqlens=seqlens,
+                                                             return_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
+
+
+def test_plans_refuse_other_layouts_and_grads():
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
+    plan = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens)
+    with pytest.raises(ValueError, match=r"k_cache has shape \(2, 41, 2, 32\).*plan was made for shape \(2, 40, 2, 32\)"):
+        plan.run(q, torch.randn(2, 41, 2, 32, dtype=torch.float16, device=DEVICE), v_cache)
+    with pytest.raises(ValueError, match="k was not given when the plan was made"):
+        plan.run(q, k_cache, v_cache, k=q[:, :, :2], v=q[:, :, :2])
+    with pytest.raises(RuntimeError, match="DecodePlan.run has no backward"):
+        plan.run(q.clone().requires_grad_(True), k_cache, v_cache)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 41"):
+        flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens + 11, validate=True)
+
+
+def test_varlen_plan_runs_each_layer_like_the_function():
+    cu = torch.tensor([0, 5, 5, 19], dtype=torch.int32, device=DEVICE)
+    layers = [tuple(torch.randn(19, h, 32, dtype=torch.float16, device=DEVICE) for h in (4, 2, 2)) for _ in range(2)]
+    plan = flashkernel.VarlenPlan(*layers[0], cu, cu, 14, 14, causal=True, softcap=20.0)
+    for q, k, v in layers:
+        want = flashkernel.flash_attn_varlen_func(q, k, v, cu, cu, 14, 14, causal=True, softcap=20.0)
+        assert torch.equal(plan.run(q, k, v), want)
+    with pytest.raises(ValueError, match="make a new plan"):
+        plan.run(layers[0][0][:18], layers[0][1], layers[0][2])
+
+
+@pytest.mark.gpu
+def test_decode_plan_replays_bit_identical_gpu():
+    for page in (None, 16):
+        layers = [_cache_inputs(8, 1024, 8, 32, 128, torch.bfloat16, 1, (1000, 0, 17, 513, 3, 64, 65, 999))
+                  for _ in range(4)]
+        seqlens = layers[0][5]
+        bt = None
+        if page:
+            layers = [(q, kc.view(-1, page, 8, 128), vc.view(-1, page, 8, 128), k, v, s)
+                      for q, kc, vc, k, v, s in layers]
+            bt = torch.randperm(layers[0][1].shape[0], device="cuda").to(torch.int32).view(8, -1)
+        q0, kc0, vc0, k0, v0, _ = layers[0]
+        plan = flashkernel.DecodePlan(q0, kc0, vc0, k=k0, v=v0, cache_seqlens=seqlens, block_table=bt)
+        for q, k_cache, v_cache, k, v, _ in layers + layers:
+            kc, vc = k_cache.clone(), v_cache.clone()
+            want = _full_path(flashkernel.flash_attn_with_kvcache, q, kc, vc, k=k, v=v, cache_seqlens=seqlens,
+                              block_table=bt)
+            assert torch.equal(plan.run(q, k_cache, v_cache, k=k, v=v), want)
+            assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
