@@ -237,7 +237,7 @@ def test_replayed_calls_equal_the_full_path_gpu():
             got = fn(*args, **kwargs)
             for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 assert torch.equal(g, w)
-        assert len(interface._EAGER_CALLS) >= 1
+        assert len(interface._EAGER_CALLS) >= 1, interface._EAGER_CALLS.last_refusal
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import torch
 
 from . import _checks, ops
 from .kernels import decode, dispatch, naive
-from .kernels._launch import CallCache, allocate, layout
+from .kernels._launch import CallCache, allocate, layouts
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "standard_attention"]
 
@@ -36,16 +36,12 @@ def _eager(tensors) -> bool:
             and not ops.needs_grad(tensors))
 
 
-def _typed(*values) -> tuple:
-    """Scalars as cache-key items that keep ``1``, ``1.0`` and ``True`` apart (validation
-    accepts some of them and not others)."""
-    return tuple([(v.__class__, v) for v in values])
-
-
-def _window_key(window_size):
-    if window_size is _checks.NO_WINDOW:
-        return window_size
-    return (window_size.__class__, *_typed(*window_size)) if isinstance(window_size, (tuple, list)) else window_size
+def _key(name: str, scalars: tuple, window_size, tensors) -> tuple:
+    """A call's cache key: its scalars with their types (``1``, ``1.0`` and ``True`` are equal
+    but validation accepts some of them and not others), the window, the tensors' layouts."""
+    if window_size is not _checks.NO_WINDOW and isinstance(window_size, (tuple, list)):
+        window_size = (window_size.__class__, tuple(window_size), tuple(map(type, window_size)))
+    return name, scalars, tuple(map(type, scalars)), window_size, layouts(tensors)
 
 
 def _replay(key, tensors):
@@ -106,9 +102,10 @@ def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op):
     differentiable inputs with their names)."""
     if eager_key is not None:
         try:
-            return _EAGER_CALLS.record(eager_key, tensors, run_eager)
-        except TypeError:  # an unhashable key (a list as window_size)
+            hash(eager_key)
+        except TypeError:  # an unhashable key (a list as window_size): not recorded
             return run_eager()
+        return _EAGER_CALLS.record(eager_key, tensors, run_eager)
     ops.check_no_grad(op, named, f"flashkernel.{public}")
     return run_op()
 
@@ -204,8 +201,7 @@ def flash_attn_func(
     tensors = (q, k, v, alibi_slopes, sinks)
     key = None
     if _eager(tensors):
-        key = ("fwd", _typed(causal, softmax_scale, softcap, return_lse, backend), _window_key(window_size),
-               *[layout(t) for t in tensors])
+        key = _key("fwd", (causal, softmax_scale, softcap, return_lse, backend), window_size, tensors)
         results = _replay(key, tensors)
         if results is not None:
             return results if return_lse else results[0]
@@ -287,8 +283,8 @@ def flash_attn_varlen_func(
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     key = None
     if _eager(tensors) and validate is not True:
-        key = ("varlen", _typed(max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap, return_lse, validate,
-                                backend), _window_key(window_size), *[layout(t) for t in tensors])
+        key = _key("varlen", (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap, return_lse, validate,
+                              backend), window_size, tensors)
         results = _replay(key, tensors)
         if results is not None:
             return results if return_lse else results[0]
@@ -488,8 +484,8 @@ def flash_attn_with_kvcache(
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
     key = None
     if _eager(tensors) and validate is not True:
-        key = ("kvcache", _typed(causal, softmax_scale, softcap, num_splits, return_lse, validate, backend),
-               _window_key(window_size), *[layout(t) for t in tensors])
+        key = _key("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend),
+                   window_size, tensors)
         results = _replay(key, tensors)
         if results is not None:
             return results if return_lse else results[0]

@@ -31,7 +31,7 @@ import contextlib
 import torch
 
 from .kernels import dispatch
-from .kernels._launch import CallCache, allocate, layout
+from .kernels._launch import CallCache, allocate, layouts
 
 __all__ = ["fwd_impl", "varlen_fwd_impl", "kvcache_fwd_impl", "check_no_grad"]
 
@@ -105,7 +105,7 @@ def _cached(name: str, tensors: tuple, scalars: tuple, run):
     call cache: replayed when a call of the same layouts and scalars ran before (CUDA only)."""
     if not tensors[0].is_cuda:
         return run()
-    key = (name, tuple([layout(t) for t in tensors]), scalars)
+    key = (name, layouts(tensors), scalars, tuple(map(type, scalars)))
     replay = _OP_CALLS.get(key)
     if replay is not None:
         return replay.run(tensors)

@@ -29,14 +29,14 @@ import torch
 
 from . import _checks, interface, ops
 from .kernels import decode, dispatch
-from .kernels._launch import CallCache, layout
+from .kernels._launch import CallCache, layout, layouts
 
 __all__ = ["DecodePlan", "VarlenPlan"]
 
 
 def _same_layout(name: str, x, expected) -> bool:
-    """Whether ``x`` has the planned layout ``expected`` (``kernels._launch.layout``) including
-    its address's alignment; raises when the shape, strides, dtype or device differ."""
+    """Raise unless ``x`` has the planned layout ``expected`` (``kernels._launch.layout``) up to its
+    address's alignment; returns whether the alignment matches too."""
     if x is None or expected is None:
         if (x is None) != (expected is None):
             raise ValueError(f"{name} was {'given' if expected is not None else 'not given'} when the plan was made: "
@@ -60,13 +60,17 @@ class _Plan:
     def __init__(self, names, examples):
         self._names = names
         self._layouts = tuple(layout(x) for x in examples)
+        self._key = layouts(examples)
         self._calls = CallCache(max_entries=1)
 
     def _run(self, tensors, fixed, call):
-        same = [_same_layout(name, x, expected) for name, x, expected in zip(self._names, tensors, self._layouts)]
         inputs = tuple(tensors) + tuple(fixed)
-        if not all(same) or not tensors[0].is_cuda or torch.compiler.is_compiling():
-            return call()  # another alignment (a recompile for Triton), the CPU, or a trace
+        if layouts(tensors) != self._key:
+            for name, x, expected in zip(self._names, tensors, self._layouts):
+                _same_layout(name, x, expected)  # raises for another shape, strides, dtype or device
+            return call()  # another alignment or shared addresses: the full path
+        if not tensors[0].is_cuda or torch.compiler.is_compiling():
+            return call()  # the CPU, or a trace
         replay = self._calls.get(0)
         if replay is not None:
             return replay.run(inputs)

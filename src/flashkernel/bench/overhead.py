@@ -7,7 +7,7 @@ Uses the public API only, so the same file measures another build of flashkernel
 build's ``src`` first on ``PYTHONPATH`` and run this file by path with ``--label before``).
 
 Per call, for each provider (flashkernel's eager call, its plan/run call where the build has
-plans, SDPA's cuDNN backend's eager call):
+plans, SDPA's cuDNN backend's eager call, its backend chosen once outside the timed calls):
 
 * ``eager_us``: median of ``triton.testing.do_bench`` over eager calls (it flushes L2 between
   calls, so host time the GPU waits for shows up);
@@ -28,6 +28,7 @@ under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -87,11 +88,19 @@ def graph_us(fn) -> float | None:
         return None
 
 
-def measure(fn) -> dict:
-    for _ in range(5):
-        fn()  # warm-up: compile, record
-    torch.cuda.synchronize()
-    return dict(eager_us=eager_us(fn), wall_us=loop_us(fn, True), host_us=loop_us(fn, False), gpu_us=graph_us(fn))
+def measure(fn, context=contextlib.nullcontext) -> dict:
+    """The four times of one call ``fn`` (run inside ``context()``, entered once: SDPA's backend
+    choice is a context manager that costs as much as the call itself)."""
+    with context():
+        for _ in range(5):
+            fn()  # warm-up: compile, record
+        torch.cuda.synchronize()
+        return dict(eager_us=eager_us(fn), wall_us=loop_us(fn, True), host_us=loop_us(fn, False),
+                    gpu_us=graph_us(fn))
+
+
+def cudnn_context():
+    return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
 
 
 # ---- decode -------------------------------------------------------------------------------------
@@ -124,14 +133,12 @@ def decode_rows(label: str) -> list[dict]:
             providers["flashkernel_plan_run"] = lambda: plan.run(q, k_cache, v_cache)
         if page == 0:
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k_cache, v_cache))
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-            providers["sdpa_cudnn"] = cudnn
+            providers["sdpa_cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
+                                                                                               enable_gqa=True)
         for name, fn in providers.items():
+            timer_context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
             row = dict(workload="decode", label=label, provider=name, batch=batch, context=context, page_size=page,
-                       **measure(fn))
+                       **measure(fn, timer_context))
             print(f"decode b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
             rows.append(row)
         del q, k_cache, v_cache
@@ -148,14 +155,13 @@ def prefill_rows(label: str) -> list[dict]:
         batch, heads = 16384 // seqlen, 2048 // head_dim
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        providers = {"flashkernel": lambda: flashkernel.flash_attn_func(q, k, v, causal=causal), "sdpa_cudnn": cudnn}
+        providers = {
+            "flashkernel": lambda: flashkernel.flash_attn_func(q, k, v, causal=causal),
+            "sdpa_cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)}
         for name, fn in providers.items():
+            context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
             row = dict(workload="prefill", label=label, provider=name, head_dim=head_dim, seqlen=seqlen, causal=causal,
-                       batch=batch, heads=heads, **measure(fn))
+                       batch=batch, heads=heads, **measure(fn, context))
             print(f"prefill d={head_dim:3d} s={seqlen:4d} {'causal' if causal else 'full  '} {name:22s} " + cells(row),
                   flush=True)
             rows.append(row)

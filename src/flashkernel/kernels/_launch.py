@@ -21,12 +21,14 @@ its tensors' layouts and its scalar arguments, except for the tensors' addresses
 ``with Recorder(inputs) as rec:`` every launch a :class:`Launcher` makes, and every output
 allocated through :func:`allocate`, is recorded; :meth:`Recorder.finish` turns them into a
 :class:`Replay`: each launch's argument list with the tensors replaced by "the address of input
-``i``" (or of output ``j``, or of a pinned internal buffer such as the split-KV workspace).
+``i``" (or of allocation ``j``: outputs and temporaries such as the split-KV partials).
 ``Replay.run(inputs)`` allocates the outputs and calls Triton's compiled C launchers with integer
 addresses, which skips argument binding, specialization and the driver's pointer-attribute query
 of every tensor. A recording that cannot be replayed exactly (an argument that is a view at an
-offset of an input, two inputs at one address, a kernel that needs profiling scratch, no launch)
-gives ``None`` and the caller keeps the slow path for that call.
+offset of an input, a kernel that needs profiling scratch, no launch) gives ``None`` and the
+caller keeps the slow path for that call. Inputs at one address (the same ``cu_seqlens`` for
+queries and keys) are told apart by the order of ``inputs``: the caller's key must include which
+inputs share an address (:func:`layouts` does).
 
 Under Triton's interpreter, or with ``FLASHKERNEL_FAST_LAUNCH=0`` in the environment (read once,
 at import), every launch goes through ``kernel[grid]`` and nothing is recorded.
@@ -87,15 +89,6 @@ def allocate(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return out
 
 
-def pin(buffer: torch.Tensor) -> torch.Tensor:
-    """Declare ``buffer`` a persistent internal buffer (it outlives the call, e.g. the split-KV
-    workspace): a recording keeps it alive and passes its address unchanged on replay."""
-    rec = _recorder()
-    if rec is not None:
-        rec.pinned.append(buffer)
-    return buffer
-
-
 def spoil_recording() -> None:
     """Mark the call being recorded as not replayable (e.g. it ran autotuning launches)."""
     rec = _recorder()
@@ -134,8 +127,8 @@ class Recorder:
         self.inputs = tuple(inputs)
         self.launches: list = []
         self.allocations: list[torch.Tensor] = []
-        self.pinned: list[torch.Tensor] = []
         self.spoiled = not FAST_LAUNCH
+        self.refusal = None  # why finish() gave no replay
         self._outer = None
 
     def __enter__(self) -> Recorder:
@@ -153,10 +146,12 @@ class Recorder:
         """The :class:`Replay` of this call, whose results are ``outputs`` (tensors allocated
         through :func:`allocate`, or None), or None when the call cannot be replayed."""
         if self.spoiled or not self.launches:
+            self.refusal = "spoiled" if self.spoiled else "no launch"
             return None
         try:
             return Replay(self, tuple(outputs))
-        except _NotReplayable:
+        except _NotReplayable as exc:
+            self.refusal = str(exc)
             return None
 
 
@@ -165,11 +160,11 @@ class _NotReplayable(Exception):
 
 
 def _identify(ptr: int, candidates) -> int:
-    """Index of the one tensor in ``candidates`` whose address is ``ptr``."""
-    found = [i for i, t in enumerate(candidates) if t is not None and t.data_ptr() == ptr]
-    if len(found) != 1:
-        raise _NotReplayable
-    return found[0]
+    """Index of the first tensor in ``candidates`` whose address is ``ptr``."""
+    for i, t in enumerate(candidates):
+        if t is not None and t.data_ptr() == ptr:
+            return i
+    raise _NotReplayable(f"an argument at {ptr:#x} is none of the call's tensors (a view at an offset?)")
 
 
 class Replay:
@@ -178,34 +173,26 @@ class Replay:
     def __init__(self, rec: Recorder, outputs: tuple):
         inputs = rec.inputs
         if any(x is not None and not x.is_cuda for x in inputs):
-            raise _NotReplayable
+            raise _NotReplayable("an input is not on a CUDA device")
         alloc_ids = {id(t): i for i, t in enumerate(rec.allocations)}
         if any(o is not None and id(o) not in alloc_ids for o in outputs):
-            raise _NotReplayable  # an output made some other way (zeros, a copy)
+            raise _NotReplayable("an output was not made by allocate()")  # zeros, a copy
         self.allocations = tuple((tuple(t.shape), t.dtype, t.device) for t in rec.allocations)
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
-        self.pinned = tuple(rec.pinned)  # kept alive as long as the replay
-        self.num_inputs = len(inputs)
-        pinned_storages = {p.untyped_storage().data_ptr() for p in rec.pinned}
         everything = inputs + tuple(rec.allocations)
         self.device = rec.launches[0][3]
-        self.launches = tuple(self._launch_template(c, g, v, d, everything, pinned_storages)
-                              for c, g, v, d in rec.launches)
+        self.launches = tuple(self._launch_template(c, g, v, d, everything) for c, g, v, d in rec.launches)
 
-    def _launch_template(self, compiled, grid, values, device, tensors, pinned_storages):
+    def _launch_template(self, compiled, grid, values, device, tensors):
         if device != self.device:
-            raise _NotReplayable
+            raise _NotReplayable("launches on two devices")
         runner = compiled.run  # Triton's CudaLauncher (built on first use)
         if not hasattr(runner, "launch") or getattr(runner, "profile_scratch_size", 0) > 0:
-            raise _NotReplayable  # another Triton's launcher, or instrumentation
+            raise _NotReplayable("another Triton's launcher, or instrumentation")
         args, slots, descriptors = list(values), [], []
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor):
-                ptr = value.data_ptr()
-                if value.untyped_storage().data_ptr() in pinned_storages:
-                    args[i] = ptr  # a pinned buffer: its address is part of the replay
-                else:
-                    slots.append((i, _identify(ptr, tensors)))
+                slots.append((i, _identify(value.data_ptr(), tensors)))
             elif hasattr(value, "block_shape") and hasattr(value, "base"):
                 descriptors.append((i, _identify(value.base.data_ptr(), tensors),
                                     list(value.shape), list(value.strides), value.padding))
@@ -213,12 +200,12 @@ class Replay:
         scratch = getattr(runner, "global_scratch_size", 0) * grid[0] * grid[1] * grid[2] * runner.num_ctas
         head = (runner.launch, grid, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
                 compiled.packed_metadata)
-        return head, tuple(args), tuple(slots), tuple(descriptors), scratch
+        return head, list(args), tuple(slots), tuple(descriptors), scratch
 
     def run(self, inputs):
         """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
         recorded device); returns the outputs as the recorded call did."""
-        if driver.active.get_current_device() != self.device:
+        if torch._C._cuda_getDevice() != self.device:
             with torch.cuda.device(self.device):
                 return self._run(inputs)
         return self._run(inputs)
@@ -226,10 +213,10 @@ class Replay:
     def _run(self, inputs):
         allocated = [empty(shape, dtype, device) for shape, dtype, device in self.allocations]
         addresses = [None if x is None else x.data_ptr() for x in inputs]
-        addresses.extend(t.data_ptr() for t in allocated)
-        stream = driver.active.get_current_stream(self.device)
+        addresses += [t.data_ptr() for t in allocated]
+        stream = _raw_stream(self.device)
         for (launch, grid, function, coop, pdl, metadata), template, slots, descriptors, scratch in self.launches:
-            args = list(template)
+            args = template.copy()
             for i, j in slots:
                 args[i] = addresses[j]
             for i, j, shape, strides, padding in descriptors:
@@ -237,7 +224,13 @@ class Replay:
             scratch_buf = torch.empty(scratch, dtype=torch.uint8, device=inputs[0].device) if scratch else None
             launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, scratch_buf, None, metadata, None,
                    None, None, *args)
-        return tuple(None if j is None else allocated[j] for j in self.outputs)
+        outputs = self.outputs
+        return tuple([None if j is None else allocated[j] for j in outputs])
+
+
+def _raw_stream(device: int) -> int:
+    """The current CUDA stream of ``device``, as Triton's launcher takes it."""
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def replay_allowed() -> bool:
@@ -253,6 +246,15 @@ def layout(t: torch.Tensor | None):
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
+def layouts(tensors) -> tuple:
+    """The :func:`layout` of each tensor, plus which of them share an address (each tensor's
+    entry ends with the index of the first tensor at its address): a recorded call's key."""
+    first: dict = {}
+    return tuple([None if t is None else
+                   (t.shape, t.stride(), t.dtype, t.device, first.setdefault(p := t.data_ptr(), i), p & 15)
+                   for i, t in enumerate(tensors)])
+
+
 class CallCache:
     """Replays of recorded calls, by key (the caller's: its name, the :func:`layout` of each
     tensor and every scalar argument). Bounded: cleared when it grows past ``max_entries``."""
@@ -260,6 +262,7 @@ class CallCache:
     def __init__(self, max_entries: int = 1024):
         self.max_entries = max_entries
         self._replays: dict = {}
+        self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
     def get(self, key) -> Replay | None:
         return self._replays.get(key)
@@ -270,6 +273,7 @@ class CallCache:
         with Recorder(inputs) as rec:
             outputs = run()
         replay = rec.finish(outputs)
+        self.last_refusal = rec.refusal
         if replay is not None:
             if len(self._replays) >= self.max_entries:
                 self._replays.clear()

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from . import tuning
 from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
-from ._launch import Launcher, pin
+from ._launch import Launcher, allocate
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .combine import combine
 from .tuning import DecodeConfig, DecodeTuning
@@ -592,35 +592,6 @@ def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interp
     return max(1, min(wanted, by_context, tuned.max_auto_splits))
 
 
-_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """A float32 scratch buffer of at least ``numel`` elements, cached per (device, size bucket).
-
-    Buckets are powers of two and are never freed: a CUDA graph that captured one keeps a valid
-    pointer forever. The first call with a new bucket allocates; later calls do not, so run a
-    decode step once before capturing it. Calls on one device share the buffer, so concurrent
-    decode calls on different streams of one device are not supported.
-    """
-    bucket = next_power_of_2(max(numel, 1))
-    key = (device, bucket)
-    buf = _WORKSPACES.get(key)
-    if buf is None:
-        buf = _new_workspace(bucket, device)
-        _WORKSPACES[key] = buf
-    return pin(buf)[:numel]
-
-
-def _new_workspace(numel: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=torch.float32, device=device)
-
-
-def clear_workspaces() -> None:
-    """Drop the cached workspaces (tests; or to return memory when no graph uses them)."""
-    _WORKSPACES.clear()
-
-
 def block_table_args(block_table, cache_seqlens):
     """``(pointer, (stride_b, stride_column))`` of the block table; ``cache_seqlens`` stands in
     as an unused pointer for a contiguous cache."""
@@ -659,8 +630,11 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> Non
 
 def split_targets(q, out, lse, num_splits):
     """Where a decode kernel writes: ``out``/``lse`` with one split, else fp32 partials
-    ``[S, B, T, Hq, D]`` and their LSE ``[S, B, Hq, T]`` in the cached workspace. Returns
-    ``(target, target_lse, o_strides, l_strides)``, the strides with a split stride first."""
+    ``[S, B, T, Hq, D]`` and their LSE ``[S, B, Hq, T]`` in a workspace allocated for the call
+    (PyTorch's caching allocator: no new device memory once warm, stream-ordered, so concurrent
+    calls on different streams never share it, and CUDA-graph capture takes it from the graph's
+    pool). Returns ``(target, target_lse, o_strides, l_strides)``, the strides with a split
+    stride first."""
     batch, seqlen_new, num_heads, head_dim = q.shape
     if num_splits == 1:
         o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
@@ -668,7 +642,7 @@ def split_targets(q, out, lse, num_splits):
         return out, lse, o_strides, l_strides
     n_out = num_splits * batch * seqlen_new * num_heads * head_dim
     n_lse = num_splits * batch * num_heads * seqlen_new
-    buf = workspace(q.device, n_out + n_lse)
+    buf = allocate((n_out + n_lse,), torch.float32, q.device)
     target = buf[:n_out].view(num_splits, batch, seqlen_new, num_heads, head_dim)
     target_lse = buf[n_out:].view(num_splits, batch, num_heads, seqlen_new)
     return target, target_lse, target.stride()[:4], target_lse.stride()

@@ -61,9 +61,12 @@ def check_backend(backend) -> None:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
 
 
+INTERPRETED = is_interpreted(triton_prefill._attention_fwd_kernel)  # fixed when the kernels are built
+
+
 def interpreted() -> bool:
     """True when the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return is_interpreted(triton_prefill._attention_fwd_kernel)
+    return INTERPRETED
 
 
 def _gluon_prefill_module():
