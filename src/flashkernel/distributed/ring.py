@@ -1,0 +1,353 @@
+"""Ring attention over a ``torch.distributed`` process group (context parallelism), forward.
+
+Each of the ``W`` ranks of a group holds a shard of the sequence (``layout.py``): its queries,
+keys and values ``[B, S / W, H, D]``. The keys and values travel round the ring: at step ``s``
+rank ``r`` holds the block of rank ``(r - s) mod W``, attends its queries to the visible parts
+of that block (``plan.py`` picks the kernel calls: causal, full, windowed or none), and passes
+the block on to rank ``r + 1`` while receiving the next one from rank ``r - 1``. The partial
+results of the steps merge exactly by log-sum-exp. After ``W`` steps every query has seen every
+key once, and the output is in the caller's shard layout.
+
+Communication
+-------------
+Keys and values are packed once into one buffer ``[2, B, S / W, Hkv, D]`` so a step is one send
+and one receive (``torch.distributed.batch_isend_irecv`` to the next and from the previous
+rank), issued *before* the step's compute so the transfer overlaps it. Two buffers alternate
+(double buffering): the one being read by this step's kernels and the one being received into.
+On CUDA the transfer is issued from a side stream that first waits for the compute stream (the
+buffer it receives into was read by the previous step's kernels); an event recorded on the side
+stream after the transfer completes is what the compute stream waits on before it reads the
+received block. Nothing blocks the host. On the CPU (gloo) the same code waits on the work
+handles instead; gloo moves the data on its own threads, so the transfer still overlaps.
+
+Merge
+-----
+The running result is one float32 accumulator ``[B, S / W, H, D]`` with its LSE ``[B, H, S / W]``,
+updated in place after each kernel call by the exact rule of ``kernels/combine.py``::
+
+    lse' = logaddexp(lse, lse_part)
+    out' = out * exp(lse - lse') + out_part * exp(lse_part - lse')
+
+written with torch ops. Why not ``kernels.combine.combine``: it merges ``P`` parts that all cover
+the same rows, stacked as ``[P, B, T, H, D]``, so it would need every step's output kept (memory
+``W`` times the shard's output) and padded to all rows, while a step's kernel call covers only
+some rows (half the rows on most zigzag steps, a trimmed range with a window). The in-place merge
+keeps memory constant in ``W`` and touches only the rows a call wrote. Sinks are merged once at
+the end as one more part with LSE ``sink`` and output 0, which is exactly the sink's definition
+(the kernel calls get no sink, so it is not counted ``W`` times).
+
+Variants
+--------
+* causal, sliding windows and their intersection: exact through the plan (global positions).
+* softcap, softmax_scale, GQA, head dims, dtypes: passed to each kernel call as they are.
+* sinks: merged once at the end, as above.
+* ALiBi: refused (``NotImplementedError``). Its bias ``-slope * |p - t|`` uses global positions;
+  the kernel measures distance from the block's own bottom-right corner, and for a block a query
+  sees whole (every step but the diagonal one) no shift of that corner makes the two agree (the
+  kernel's distance changes sign inside the block, the global one does not).
+
+Backward (planned, not implemented here)
+----------------------------------------
+The forward keeps what a ring backward needs: the inputs, the output and the final LSE; the
+per-step outputs are not needed, because the FlashAttention backward of a block recomputes its
+probabilities from the *final* LSE (``p = exp(s - lse)``) and uses ``delta = rowsum(dO * O)``
+of the final output. The backward runs the same ring with the same ``plan_step`` pieces per
+step (the plan depends only on (rank, source rank, mask)): each piece's block backward adds to
+the local ``dq`` (float32) and to ``dk``, ``dv`` accumulators that travel with the keys and
+values; after ``W`` steps one more hop returns them to their owners. Softcap is handled inside
+the block kernel; a sink's gradient is ``-sum_i exp(sink - lse_i) * delta_i``, summed over the
+local rows and all-reduced over the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .. import _checks
+from ..interface import flash_attn_func, kernels_interpreted
+from . import layout as layouts
+from .plan import Band, Piece, plan_step
+
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func"]
+
+
+# --- the ring: passing a buffer to the next rank ------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Transfer:
+    works: list
+    done: torch.cuda.Event | None
+
+
+_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per CUDA device for the ring's transfers (created on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COMM_STREAMS:
+        _COMM_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _COMM_STREAMS[index]
+
+
+class Ring:
+    """The ranks of a process group in a ring: sends go to ``rank + 1``, receives come from
+    ``rank - 1`` (group ranks, mod the group size)."""
+
+    def __init__(self, group, device: torch.device):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.next_rank = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.prev_rank = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+        self.stream = _comm_stream(device) if device.type == "cuda" else None
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor) -> _Transfer:
+        """Send ``send`` to the next rank and receive the previous rank's into ``recv``, in the
+        background. Neither may be written until :meth:`finish`; ``recv`` may not be read."""
+        ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group),
+               dist.P2POp(dist.irecv, recv, self.prev_rank, self.group)]
+        if self.stream is None:
+            return _Transfer(dist.batch_isend_irecv(ops), None)
+        self.stream.wait_stream(torch.cuda.current_stream(send.device))
+        with torch.cuda.stream(self.stream):
+            works = dist.batch_isend_irecv(ops)
+            for work in works:
+                work.wait()  # NCCL: the side stream waits for the transfer; the host does not
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _Transfer(works, done)
+
+    def finish(self, transfer: _Transfer) -> None:
+        """After this, the received buffer may be read on the current stream (CUDA), or at all
+        (CPU), and the sent one written."""
+        if transfer.done is None:
+            for work in transfer.works:
+                work.wait()
+        else:
+            torch.cuda.current_stream().wait_event(transfer.done)
+
+
+# --- the exact merge ------------------------------------------------------------------------------
+
+
+class MergedResult:
+    """A float32 running output ``[B, T, H, D]`` and LSE ``[B, H, T]``, merged by log-sum-exp.
+
+    Rows no part has reached hold output 0 and LSE -inf. Token rows are dim 1 of the output and
+    dim 2 of the LSE (``token_dim`` shifts both, for packed ``[T, H, D]`` / ``[H, T]`` results).
+    """
+
+    def __init__(self, out_shape, lse_shape, device, token_dim: int = 1):
+        self.out = torch.zeros(out_shape, dtype=torch.float32, device=device)
+        self.lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device)
+        self.token_dim = token_dim
+
+    def add(self, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+        """Merge a part covering token ``rows`` (its LSE -inf where it saw no key)."""
+        lse_rows = self.lse.narrow(self.token_dim + 1, rows.start, rows.stop - rows.start)
+        out_rows = self.out.narrow(self.token_dim, rows.start, rows.stop - rows.start)
+        merged = torch.logaddexp(lse_rows, part_lse)
+        finite = torch.where(torch.isneginf(merged), 0.0, merged)  # rows still empty keep weight 0
+        out_rows.mul_(self._per_token(torch.exp(lse_rows - finite)))
+        out_rows.addcmul_(part_out, self._per_token(torch.exp(part_lse - finite)))
+        lse_rows.copy_(merged)
+
+    def add_sinks(self, sinks: torch.Tensor) -> None:
+        """Merge the sink of each head ``[H]``: a part with LSE ``sink`` and output 0."""
+        head_shape = [1] * self.lse.dim()
+        head_shape[self.token_dim] = sinks.shape[0]
+        merged = torch.logaddexp(self.lse, sinks.view(head_shape))
+        finite = torch.where(torch.isneginf(merged), 0.0, merged)
+        self.out.mul_(self._per_token(torch.exp(self.lse - finite)))
+        self.lse.copy_(merged)
+
+    def _per_token(self, weight: torch.Tensor) -> torch.Tensor:
+        """An LSE-shaped weight ``[.., H, T]`` as ``[.., T, H, 1]`` to scale output rows."""
+        return weight.transpose(self.token_dim, self.token_dim + 1).unsqueeze(-1)
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+def _check_distributed(group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ring attention needs an initialized torch.distributed process group: call "
+            "torch.distributed.init_process_group (e.g. under torchrun) first"
+        )
+
+
+def _check_no_alibi(alibi_slopes) -> None:
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "ring attention does not support alibi_slopes: ALiBi's bias -slope * |p - t| uses "
+            "global positions, while each ring step's kernel call measures distances from its own "
+            "block's corner; for a key block a query sees whole, the two differ by a per-key term "
+            "the kernel cannot add. Use flash_attn_func on one device for ALiBi models"
+        )
+
+
+def _check_shard_lengths(q, k, world: int, layout: str) -> None:
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"q holds {q.shape[1]} tokens and k {k.shape[1]}: ring attention shards one sequence "
+            "(self-attention), so every rank's q, k and v hold the same tokens"
+        )
+    per_rank = layouts.num_chunks(world, layout) // world
+    if q.shape[1] % per_rank != 0:
+        raise ValueError(
+            f"q holds {q.shape[1]} tokens, an odd number: the zigzag layout gives each rank two "
+            f"equal chunks, so the full sequence ({world} x {q.shape[1]} tokens) must divide by "
+            f"2 x {world} = {2 * world}; shard it with flashkernel.distributed.shard, or use "
+            "layout='contiguous'"
+        )
+
+
+# --- the forward ----------------------------------------------------------------------------------
+
+
+AttendPiece = Callable[[torch.Tensor, Piece], tuple[torch.Tensor, torch.Tensor]]
+
+
+def run_ring(ring: Ring, kv: torch.Tensor, pieces_for: Callable[[int], Iterable[Piece]],
+             attend: AttendPiece, result: MergedResult, *, communicate: bool = True) -> None:
+    """The ring loop: at step ``s`` attend to the block of rank ``(rank - s) mod W`` (its pieces
+    from ``pieces_for(source)``) while the next block is in flight.
+
+    ``kv`` is this rank's packed key/value buffer; ``attend(kv_block, piece)`` returns the part
+    ``(out, lse)`` for the piece's query rows. ``communicate=False`` computes every step's pieces
+    against the local block instead (the same work without the transfers; for benchmarks).
+    """
+    spare = torch.empty_like(kv) if communicate and ring.world > 1 else None
+    for step in range(ring.world):
+        source = (ring.rank - step) % ring.world
+        transfer = ring.start(kv, spare) if spare is not None and step + 1 < ring.world else None
+        for piece in pieces_for(source):
+            part_out, part_lse = attend(kv, piece)
+            result.add(slice(piece.q_start, piece.q_start + piece.q_len), part_out, part_lse)
+        if transfer is not None:
+            ring.finish(transfer)
+            kv, spare = spare, kv
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseRing:
+    """Everything a dense ring forward needs besides the tensors (the benchmark reuses it)."""
+
+    ring: Ring
+    layout: str
+    band: Band
+    softmax_scale: float
+    softcap: float
+
+    def pieces_for(self, local_len: int) -> Callable[[int], list[Piece]]:
+        rank, world = self.ring.rank, self.ring.world
+        q_segments = layouts.rank_segments(rank, world, self.layout, local_len)
+        plans = {source: plan_step(q_segments, layouts.rank_segments(source, world, self.layout, local_len),
+                                   self.band)
+                 for source in range(world)}
+        return plans.__getitem__
+
+    def attend(self, q: torch.Tensor) -> AttendPiece:
+        def attend_piece(kv: torch.Tensor, piece: Piece):
+            keys = slice(piece.k_start, piece.k_start + piece.k_len)
+            return flash_attn_func(
+                q[:, piece.q_start:piece.q_start + piece.q_len], kv[0, :, keys], kv[1, :, keys],
+                causal=piece.causal, softmax_scale=self.softmax_scale, window_size=piece.window,
+                softcap=self.softcap, return_lse=True,
+            )
+        return attend_piece
+
+
+def prepare_dense(q, k, v, group, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                  return_lse, layout) -> DenseRing:
+    """Validate a dense call (before any communication, so every rank raises alike)."""
+    _check_distributed(group)
+    layouts.check_layout(layout)
+    _check_no_alibi(alibi_slopes)
+    _checks.check_qkv(q, k, v, kernels_interpreted())
+    _checks.check_flag("causal", causal)
+    _checks.check_flag("return_lse", return_lse)
+    scale = _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    window, cap = _checks.check_variant(q, q.shape[0], q.shape[2], window_size, softcap, None, sinks)
+    ring = Ring(group, q.device)
+    _check_shard_lengths(q, k, ring.world, layout)
+    return DenseRing(ring, layout, Band.of(causal, window), scale, cap)
+
+
+def ring_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = _checks.NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    layout: str = "zigzag",
+):
+    """Exact attention over a sequence sharded across the ranks of ``group`` (ring attention).
+
+    Every rank of ``group`` calls this with its own shard; the result equals
+    :func:`flashkernel.flash_attn_func` on the full sequence, sharded the same way.
+
+    Args:
+        q: ``[batch, seqlen / W, num_heads, head_dim]``, this rank's queries (``W`` = group size).
+        k, v: ``[batch, seqlen / W, num_kv_heads, head_dim]``, this rank's keys and values, the
+            same tokens as ``q``. Shard the full tensors with
+            :func:`flashkernel.distributed.shard` (``layout`` below); dtypes, head dims, GQA and
+            strides as in :func:`flashkernel.flash_attn_func`. Every rank passes the same shapes.
+        group: the ``torch.distributed`` process group (None = the default group). On CUDA use
+            NCCL with one device per rank (``torch.cuda.set_device``); on the CPU, gloo.
+        causal, softmax_scale, window_size, softcap, sinks: as in
+            :func:`flashkernel.flash_attn_func`, over *global* positions (the full sequence is
+            self-attention, ``Sq = Sk``, so query ``p`` sees keys ``t <= p`` when causal).
+        alibi_slopes: not supported (``NotImplementedError``; see the module docstring).
+        return_lse: also return the log-sum-exp of each row, ``[batch, num_heads, seqlen / W]``
+            float32, in the shard's token order.
+        layout: ``"zigzag"`` (default; rank ``r`` holds chunks ``r`` and ``2W-1-r`` of ``2W``,
+            so causal work is the same on every rank) or ``"contiguous"`` (rank ``r`` holds chunk
+            ``r`` of ``W``; causal work grows with the rank). The sequence must divide by
+            ``2W`` (zigzag) or ``W``: in zigzag the shard length must be even (``ValueError``).
+
+    Returns:
+        ``out [batch, seqlen / W, num_heads, head_dim]`` in q's dtype, in the shard's token
+        order, and with ``return_lse=True`` also ``lse``. Forward only (no autograd).
+
+    Example (under ``torchrun --nproc-per-node 2``)::
+
+        >>> dist.init_process_group("nccl"); rank = dist.get_rank()
+        >>> torch.cuda.set_device(rank)
+        >>> q, k, v = (shard(x, rank, 2) for x in (q_full, k_full, v_full))  # [B, S/2, H, D]
+        >>> out = ring_flash_attn_func(q, k, v, causal=True)   # == shard(flash_attn_func(...))
+    """
+    spec = prepare_dense(q, k, v, group, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                         sinks, return_lse, layout)
+    batch, local_len, num_heads, head_dim = q.shape
+    result = MergedResult((batch, local_len, num_heads, head_dim), (batch, num_heads, local_len), q.device)
+    if batch > 0 and local_len > 0:
+        kv = torch.stack((k, v))  # the buffer that travels: [2, B, S / W, Hkv, D]
+        run_ring(spec.ring, kv, spec.pieces_for(local_len), spec.attend(q), result)
+    if sinks is not None:
+        result.add_sinks(sinks)
+    out = result.out.to(q.dtype)
+    return (out, result.lse) if return_lse else out
+
+
+def ring_flash_attn_varlen_func(*args, **kwargs):
+    """Ring attention over packed sequences: not implemented yet."""
+    raise NotImplementedError(
+        "ring_flash_attn_varlen_func is not implemented yet: shard each sequence with "
+        "flashkernel.distributed.shard_varlen and run ring_flash_attn_func per sequence, or pad "
+        "the sequences to one length"
+    )
