@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 from flashkernel import interface  # noqa: E402
-from flashkernel.distributed import ring_flash_attn_func, ring_flash_attn_varlen_func, shard  # noqa: E402
+from flashkernel.distributed import (ring_flash_attn_func, ring_flash_attn_varlen_func, shard,  # noqa: E402
+                                     shard_varlen)
 
 
 def _poison_outputs():
@@ -30,11 +31,18 @@ def _poison_outputs():
 
 def _run_case(case: dict, rank: int, world: int, device) -> dict:
     layout = case["kwargs"].get("layout", "zigzag")
-    q, k, v = (shard(case[name], rank, world, layout=layout).to(device) for name in ("q", "k", "v"))
     kwargs = dict(case["kwargs"])
     if kwargs.get("sinks") is not None:
         kwargs["sinks"] = kwargs["sinks"].to(device)
-    result = ring_flash_attn_func(q, k, v, **kwargs)
+    if "cu_seqlens" in case:
+        q, k, v = (shard_varlen(case[name], case["cu_seqlens"], rank, world, layout)[0].to(device)
+                   for name in ("q", "k", "v"))
+        cu_local = (case["cu_seqlens"] // world).to(device)
+        max_local = int((cu_local[1:] - cu_local[:-1]).max()) if cu_local.numel() > 1 else 0
+        result = ring_flash_attn_varlen_func(q, k, v, cu_local, max_local, **kwargs)
+    else:
+        q, k, v = (shard(case[name], rank, world, layout=layout).to(device) for name in ("q", "k", "v"))
+        result = ring_flash_attn_func(q, k, v, **kwargs)
     out, lse = result if kwargs.get("return_lse") else (result, None)
     return {"out": out.cpu(), "lse": None if lse is None else lse.cpu()}
 

@@ -20,12 +20,12 @@ import torch
 import torch.multiprocessing as mp
 
 import ring_worker
-from flashkernel import flash_attn_func
+from flashkernel import flash_attn_func, flash_attn_varlen_func
 from flashkernel.distributed import (ring_flash_attn_func, shard, shard_positions, shard_varlen, unshard,
                                      unshard_varlen)
 from flashkernel.distributed.layout import num_chunks, rank_segments
 from flashkernel.distributed.plan import Band, plan_step
-from helpers import assert_output_close, describe_mismatch
+from helpers import assert_output_close, assert_varlen_close, describe_mismatch
 
 ON_GPU = torch.cuda.is_available()
 LAYOUTS = ("zigzag", "contiguous")
@@ -169,16 +169,23 @@ class Case:
     sinks: bool = False
     softmax_scale: float | None = None
     return_lse: bool = True
+    varlen_chunks: tuple[int, ...] | None = None  # packed: sequence b has varlen_chunks[b] chunks
 
     def inputs(self, world: int, device) -> dict:
-        seqlen = self.chunk * num_chunks(world, self.layout)
-        q = torch.randn(self.batch, seqlen, self.heads, self.head_dim, dtype=self.dtype, device=device)
-        k = torch.randn(self.batch, seqlen, self.kv_heads, self.head_dim, dtype=self.dtype, device=device)
-        v = torch.randn_like(k)
-        kwargs = dict(causal=self.causal, layout=self.layout, window_size=self.window, softcap=self.softcap,
+        kwargs = dict(causal=self.causal, layout=self.layout, softcap=self.softcap,
                       softmax_scale=self.softmax_scale, return_lse=self.return_lse,
                       sinks=torch.randn(self.heads, device=device) if self.sinks else None)
-        return {"q": q, "k": k, "v": v, "kwargs": kwargs}
+        if self.varlen_chunks is None:
+            kwargs["window_size"] = self.window
+            rows = (self.batch, self.chunk * num_chunks(world, self.layout))
+            extra = {}
+        else:
+            lengths = [c * num_chunks(world, self.layout) for c in self.varlen_chunks]
+            rows = (sum(lengths),)
+            extra = {"cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)}
+        q = torch.randn(*rows, self.heads, self.head_dim, dtype=self.dtype, device=device)
+        k = torch.randn(*rows, self.kv_heads, self.head_dim, dtype=self.dtype, device=device)
+        return {"q": q, "k": k, "v": torch.randn_like(k), "kwargs": kwargs, **extra}
 
 
 CPU_CASES_2 = [
@@ -201,6 +208,10 @@ CPU_CASES_2 = [
     Case("sinks-causal-fp32", sinks=True, dtype=torch.float32),
     Case("sinks-softcap-window", causal=False, sinks=True, softcap=3.0, window=(5, 2), layout="contiguous"),
     Case("softmax-scale", softmax_scale=0.7, causal=False, kv_heads=2),
+    Case("varlen-zigzag-causal", varlen_chunks=(2, 0, 5, 1), kv_heads=2),
+    Case("varlen-zigzag-full", varlen_chunks=(3, 1), causal=False),
+    Case("varlen-contiguous-causal-sinks", varlen_chunks=(4, 1, 2), layout="contiguous", sinks=True),
+    Case("varlen-softcap-fp32", varlen_chunks=(1, 2), dtype=torch.float32, softcap=1.5, head_dim=32),
 ]
 CPU_CASES_4 = [
     Case("zigzag-causal-gqa", chunk=4, kv_heads=2),
@@ -208,6 +219,7 @@ CPU_CASES_4 = [
     Case("zigzag-full", causal=False, chunk=3),
     Case("zigzag-window-sinks-softcap", chunk=4, window=(5, -1), sinks=True, softcap=2.5),
     Case("contiguous-window", layout="contiguous", causal=False, window=(3, 3), chunk=4),
+    Case("varlen-zigzag-causal", varlen_chunks=(2, 1, 3), kv_heads=1),
 ]
 GPU_CASES = [
     Case("zigzag-causal-bf16", dtype=torch.bfloat16, chunk=512, heads=8, kv_heads=2, head_dim=128, batch=2),
@@ -217,6 +229,10 @@ GPU_CASES = [
     Case("zigzag-window-bf16", dtype=torch.bfloat16, chunk=512, heads=4, head_dim=128, window=(300, -1)),
     Case("zigzag-sinks-softcap-fp16", chunk=256, heads=4, head_dim=64, sinks=True, softcap=30.0),
     Case("zigzag-causal-d256-fp32", dtype=torch.float32, chunk=128, heads=2, head_dim=256),
+    Case("varlen-zigzag-causal-bf16", dtype=torch.bfloat16, varlen_chunks=(100, 3, 257, 0, 64), heads=8,
+         kv_heads=2, head_dim=128),
+    Case("varlen-contiguous-full-fp16", causal=False, layout="contiguous", varlen_chunks=(300, 17), heads=4,
+         head_dim=64, sinks=True),
 ]
 
 
@@ -233,9 +249,27 @@ def _error_cases(world: int) -> dict:
         "int-dtype": ((q.int(), q.int(), q.int()), {}, TypeError, r"dtype int32"),
         "window-type": ((q, q, q), dict(window_size=3), TypeError, r"window_size must be a pair"),
     }
-    return {f"error-{name}": {"expect_error": True, "args": list(args), "kwargs": kwargs, "exception": exc,
-                              "match": match}
-            for name, (args, kwargs, exc, match) in cases.items()}
+    packed = torch.randn(6, 2, 16, dtype=torch.float16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    varlen_cases = {
+        "varlen-window": ((packed, packed, packed, cu, 4), dict(window_size=(2, 0)), NotImplementedError,
+                          r"does not support window_size \(got \(2, 0\)\)"),
+        "varlen-alibi": ((packed, packed, packed, cu, 4), dict(alibi_slopes=torch.ones(2)), NotImplementedError,
+                         r"alibi_slopes"),
+        "varlen-odd-sequence": ((packed, packed, packed, torch.tensor([0, 3, 6], dtype=torch.int32), 4), {},
+                                ValueError, rf"sequence 0 has 3 local tokens.*2 x {world}"),
+        "varlen-max-seqlen": ((packed, packed, packed, cu, 2), {}, ValueError,
+                              r"max_seqlen is 2 but sequence 1 has 4 local tokens"),
+        "varlen-cu-end": ((packed, packed, packed, torch.tensor([0, 2, 4], dtype=torch.int32), 4), {}, ValueError,
+                          r"end at the number of local tokens \(6\)"),
+    }
+    entries = {f"error-{name}": {"expect_error": True, "args": list(args), "kwargs": kwargs, "exception": exc,
+                                 "match": match}
+               for name, (args, kwargs, exc, match) in cases.items()}
+    entries.update({f"error-{name}": {"expect_error": True, "varlen": True, "args": list(args), "kwargs": kwargs,
+                                      "exception": exc, "match": match}
+                    for name, (args, kwargs, exc, match) in varlen_cases.items()})
+    return entries
 
 
 def _spawn_ranks(world: int, backend: str, cases: dict, tmp: str) -> list[dict]:
@@ -290,6 +324,9 @@ def _check_case(results: dict, case: Case) -> None:
     shards = [r[case.name] for r in results["per_rank"]]
     for rank, part in enumerate(shards):
         assert "crash" not in part, f"rank {rank} raised:\n{part['crash']}"
+    if case.varlen_chunks is not None:
+        _check_varlen_case(world, inputs, shards, case)
+        return
     device = inputs["q"].device
     out = unshard([s["out"].to(device) for s in shards], world, layout=case.layout)
     lse = unshard([s["lse"].to(device) for s in shards], world, dim=2, layout=case.layout) if case.return_lse else None
@@ -297,12 +334,35 @@ def _check_case(results: dict, case: Case) -> None:
     assert out.dtype == q.dtype and out.shape == q.shape
     variant = dict(window_size=case.window, softcap=case.softcap, sinks=inputs["kwargs"]["sinks"])
     assert_output_close(out, q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, lse=lse, **variant)
-    # Against one process's flash_attn_func on the gathered tensors: the ring's only extra rounding
-    # is that of each step's partial output, so the two agree to a few units of the dtype.
     single, single_lse = flash_attn_func(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale,
                                          return_lse=True, **variant)
+    _assert_matches_single(out, lse, single, single_lse)
+
+
+def _check_varlen_case(world: int, inputs: dict, shards: list, case: Case) -> None:
+    cu = inputs["cu_seqlens"]
+    device = inputs["q"].device
+    out = unshard_varlen([s["out"].to(device) for s in shards], cu, world, case.layout)
+    # The LSE [H, total / W] is sharded along its token dim: unshard its transpose.
+    lse = (unshard_varlen([s["lse"].t().to(device) for s in shards], cu, world, case.layout).t()
+           if case.return_lse else None)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    assert out.dtype == q.dtype and out.shape == q.shape
+    cu_dev = cu.to(device)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    variant = dict(softcap=case.softcap, sinks=inputs["kwargs"]["sinks"])
+    assert_varlen_close(out, q, k, v, cu_dev, cu_dev, causal=case.causal, softmax_scale=case.softmax_scale,
+                        lse=lse, **variant)
+    single, single_lse = flash_attn_varlen_func(q, k, v, cu_dev, cu_dev, max_len, max_len, causal=case.causal,
+                                                softmax_scale=case.softmax_scale, return_lse=True, **variant)
+    _assert_matches_single(out, lse, single, single_lse)
+
+
+def _assert_matches_single(out, lse, single, single_lse) -> None:
+    """Against one process's flash_attn_func on the gathered tensors: the ring's only extra
+    rounding is that of each step's partial output, so the two agree to a few units of the dtype."""
     diff = (out.double() - single.double()).abs()
-    bound = 4 * torch.finfo(q.dtype).eps * max(1.0, single.abs().max().item() if single.numel() else 0.0)
+    bound = 4 * torch.finfo(out.dtype).eps * max(1.0, single.abs().max().item() if single.numel() else 0.0)
     assert diff.numel() == 0 or diff.max().item() <= bound, describe_mismatch(diff, bound)
     if lse is not None:
         assert torch.equal(torch.isneginf(lse), torch.isneginf(single_lse))

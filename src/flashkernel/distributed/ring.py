@@ -45,6 +45,10 @@ Variants
   the kernel measures distance from the block's own bottom-right corner, and for a block a query
   sees whole (every step but the diagonal one) no shift of that corner makes the two agree (the
   kernel's distance changes sign inside the block, the global one does not).
+* packed sequences (:func:`ring_flash_attn_varlen_func`): causal and full attention, softcap,
+  sinks, GQA; each sequence is sharded on its own and a step is one varlen call per piece of
+  the dense plan (:class:`VarlenRing`). Windows are refused there: their calls would be trimmed
+  per sequence length.
 
 Backward (planned, not implemented here)
 ----------------------------------------
@@ -62,13 +66,14 @@ local rows and all-reduced over the group.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from .. import _checks
-from ..interface import flash_attn_func, kernels_interpreted
+from ..interface import flash_attn_func, flash_attn_varlen_func, kernels_interpreted
 from . import layout as layouts
 from .plan import Band, Piece, plan_step
 
@@ -148,28 +153,41 @@ class MergedResult:
         self.lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device)
         self.token_dim = token_dim
 
-    def add(self, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-        """Merge a part covering token ``rows`` (its LSE -inf where it saw no key)."""
-        lse_rows = self.lse.narrow(self.token_dim + 1, rows.start, rows.stop - rows.start)
-        out_rows = self.out.narrow(self.token_dim, rows.start, rows.stop - rows.start)
-        merged = torch.logaddexp(lse_rows, part_lse)
-        finite = torch.where(torch.isneginf(merged), 0.0, merged)  # rows still empty keep weight 0
-        out_rows.mul_(self._per_token(torch.exp(lse_rows - finite)))
-        out_rows.addcmul_(part_out, self._per_token(torch.exp(part_lse - finite)))
-        lse_rows.copy_(merged)
+    def add(self, rows: slice | torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+        """Merge a part covering token ``rows`` (a slice, or an int64 index of rows), its LSE
+        -inf where it saw no key."""
+        t = self.token_dim
+        if isinstance(rows, slice):  # views: merged in place
+            count = rows.stop - rows.start
+            _merge_in_place(self.out.narrow(t, rows.start, count), self.lse.narrow(t + 1, rows.start, count),
+                            part_out, part_lse, t)
+            return
+        out_rows, lse_rows = self.out.index_select(t, rows), self.lse.index_select(t + 1, rows)
+        _merge_in_place(out_rows, lse_rows, part_out, part_lse, t)
+        self.out.index_copy_(t, rows, out_rows)
+        self.lse.index_copy_(t + 1, rows, lse_rows)
 
     def add_sinks(self, sinks: torch.Tensor) -> None:
         """Merge the sink of each head ``[H]``: a part with LSE ``sink`` and output 0."""
         head_shape = [1] * self.lse.dim()
         head_shape[self.token_dim] = sinks.shape[0]
-        merged = torch.logaddexp(self.lse, sinks.view(head_shape))
-        finite = torch.where(torch.isneginf(merged), 0.0, merged)
-        self.out.mul_(self._per_token(torch.exp(self.lse - finite)))
-        self.lse.copy_(merged)
+        _merge_in_place(self.out, self.lse, None, sinks.view(head_shape), self.token_dim)
 
-    def _per_token(self, weight: torch.Tensor) -> torch.Tensor:
-        """An LSE-shaped weight ``[.., H, T]`` as ``[.., T, H, 1]`` to scale output rows."""
-        return weight.transpose(self.token_dim, self.token_dim + 1).unsqueeze(-1)
+
+def _merge_in_place(out, lse, part_out, part_lse, token_dim: int) -> None:
+    """``out, lse`` (float32) := their exact log-sum-exp merge with the part (``part_out`` None:
+    a part with output 0, e.g. a sink). Rows that no part reached keep weight 0 (no NaN)."""
+    merged = torch.logaddexp(lse, part_lse)
+    finite = torch.where(torch.isneginf(merged), 0.0, merged)
+    out.mul_(_per_token(torch.exp(lse - finite), token_dim))
+    if part_out is not None:
+        out.addcmul_(part_out, _per_token(torch.exp(part_lse - finite), token_dim))
+    lse.copy_(merged)
+
+
+def _per_token(weight: torch.Tensor, token_dim: int) -> torch.Tensor:
+    """An LSE-shaped weight ``[.., H, T]`` as ``[.., T, H, 1]`` to scale output rows."""
+    return weight.transpose(token_dim, token_dim + 1).unsqueeze(-1)
 
 
 # --- validation -----------------------------------------------------------------------------------
@@ -212,7 +230,8 @@ def _check_shard_lengths(q, k, world: int, layout: str) -> None:
 # --- the forward ----------------------------------------------------------------------------------
 
 
-AttendPiece = Callable[[torch.Tensor, Piece], tuple[torch.Tensor, torch.Tensor]]
+Rows = slice | torch.Tensor  # the local query rows a part covers: a range, or an int64 index
+AttendPiece = Callable[[torch.Tensor, Piece], tuple[Rows, torch.Tensor, torch.Tensor]]
 
 
 def run_ring(ring: Ring, kv: torch.Tensor, pieces_for: Callable[[int], Iterable[Piece]],
@@ -221,7 +240,7 @@ def run_ring(ring: Ring, kv: torch.Tensor, pieces_for: Callable[[int], Iterable[
     from ``pieces_for(source)``) while the next block is in flight.
 
     ``kv`` is this rank's packed key/value buffer; ``attend(kv_block, piece)`` returns the part
-    ``(out, lse)`` for the piece's query rows. ``communicate=False`` computes every step's pieces
+    ``(rows, out, lse)`` for the piece's query rows. ``communicate=False`` computes every step's pieces
     against the local block instead (the same work without the transfers; for benchmarks).
     """
     spare = torch.empty_like(kv) if communicate and ring.world > 1 else None
@@ -229,8 +248,7 @@ def run_ring(ring: Ring, kv: torch.Tensor, pieces_for: Callable[[int], Iterable[
         source = (ring.rank - step) % ring.world
         transfer = ring.start(kv, spare) if spare is not None and step + 1 < ring.world else None
         for piece in pieces_for(source):
-            part_out, part_lse = attend(kv, piece)
-            result.add(slice(piece.q_start, piece.q_start + piece.q_len), part_out, part_lse)
+            result.add(*attend(kv, piece))
         if transfer is not None:
             ring.finish(transfer)
             kv, spare = spare, kv
@@ -256,12 +274,13 @@ class DenseRing:
 
     def attend(self, q: torch.Tensor) -> AttendPiece:
         def attend_piece(kv: torch.Tensor, piece: Piece):
-            keys = slice(piece.k_start, piece.k_start + piece.k_len)
-            return flash_attn_func(
-                q[:, piece.q_start:piece.q_start + piece.q_len], kv[0, :, keys], kv[1, :, keys],
-                causal=piece.causal, softmax_scale=self.softmax_scale, window_size=piece.window,
-                softcap=self.softcap, return_lse=True,
+            rows, keys = slice(piece.q_start, piece.q_start + piece.q_len), slice(piece.k_start, piece.k_start + piece.k_len)
+            out, lse = flash_attn_func(
+                q[:, rows], kv[0, :, keys], kv[1, :, keys], causal=piece.causal,
+                softmax_scale=self.softmax_scale, window_size=piece.window, softcap=self.softcap,
+                return_lse=True,
             )
+            return rows, out, lse
         return attend_piece
 
 
@@ -344,10 +363,177 @@ def ring_flash_attn_func(
     return (out, result.lse) if return_lse else out
 
 
-def ring_flash_attn_varlen_func(*args, **kwargs):
-    """Ring attention over packed sequences: not implemented yet."""
-    raise NotImplementedError(
-        "ring_flash_attn_varlen_func is not implemented yet: shard each sequence with "
-        "flashkernel.distributed.shard_varlen and run ring_flash_attn_func per sequence, or pad "
-        "the sequences to one length"
-    )
+# --- packed sequences -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSet:
+    """Some rows of a packed shard, as a varlen call takes them: ``index`` (None = all rows, in
+    order) and the cumulative lengths and longest length of the selected sequences' rows."""
+
+    index: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+class VarlenRing:
+    """A ring forward over packed sequences, each sharded on its own (``layout.shard_varlen``).
+
+    Every rank holds, of sequence ``b``, ``L_b`` local rows made of ``c`` equal chunks (``c = 2``
+    zigzag, 1 contiguous) and the same ``L_b`` on every rank, so a step's calls are those of the
+    dense plan with chunks of one token ("chunk units"), scaled per sequence: a piece over chunk
+    units ``[a, a + n)`` covers rows ``a * L_b / c .. (a + n) * L_b / c`` of every sequence. This
+    holds for causal and full pieces; windows would be trimmed per sequence length, so they are
+    refused. Pieces over all rows use the tensors as they are; the others (zigzag causal steps)
+    gather their rows (queries once, keys per step) and merge back by index.
+    """
+
+    def __init__(self, ring: Ring, layout: str, causal: bool, softmax_scale: float, softcap: float,
+                 cu_seqlens: torch.Tensor, lengths: list[int], max_seqlen: int):
+        self.ring, self.layout, self.softmax_scale, self.softcap = ring, layout, softmax_scale, softcap
+        self.band = Band.of(causal, _checks.NO_WINDOW)
+        self.per_rank = layouts.num_chunks(ring.world, layout) // ring.world
+        self.cu_seqlens, self.lengths, self.max_seqlen = cu_seqlens, lengths, max_seqlen
+        self._row_sets: dict[tuple[int, int], RowSet] = {}
+
+    def pieces_for(self, source: int) -> list[Piece]:
+        world, unit = self.ring.world, self.per_rank
+        return plan_step(layouts.rank_segments(self.ring.rank, world, self.layout, unit),
+                         layouts.rank_segments(source, world, self.layout, unit), self.band)
+
+    def rows(self, start: int, count: int) -> RowSet:
+        """The rows of chunk units ``[start, start + count)`` of every sequence."""
+        if (start, count) not in self._row_sets:
+            self._row_sets[start, count] = self._make_rows(start, count)
+        return self._row_sets[start, count]
+
+    def _make_rows(self, start: int, count: int) -> RowSet:
+        if (start, count) == (0, self.per_rank):
+            return RowSet(None, self.cu_seqlens, self.max_seqlen)
+        device, unit = self.cu_seqlens.device, self.per_rank
+        index, first = [], 0
+        for length in self.lengths:
+            chunk = length // unit
+            index.append(torch.arange(first + start * chunk, first + (start + count) * chunk, device=device))
+            first += length
+        sub_lengths = [length // unit * count for length in self.lengths]
+        cu = torch.tensor([0, *itertools.accumulate(sub_lengths)], dtype=torch.int32, device=device)
+        return RowSet(torch.cat(index), cu, max(sub_lengths, default=0))
+
+    def attend(self, q: torch.Tensor) -> AttendPiece:
+        gathered_q: dict[tuple[int, int], torch.Tensor] = {}
+
+        def attend_piece(kv: torch.Tensor, piece: Piece):
+            q_rows, k_rows = self.rows(piece.q_start, piece.q_len), self.rows(piece.k_start, piece.k_len)
+            if q_rows.index is None:
+                q_part = q
+            else:
+                q_part = gathered_q.setdefault((piece.q_start, piece.q_len), q.index_select(0, q_rows.index))
+            k_part, v_part = (kv[0], kv[1]) if k_rows.index is None else kv.index_select(1, k_rows.index).unbind(0)
+            out, lse = flash_attn_varlen_func(
+                q_part, k_part, v_part, q_rows.cu_seqlens, k_rows.cu_seqlens, q_rows.max_seqlen,
+                k_rows.max_seqlen, causal=piece.causal, softmax_scale=self.softmax_scale,
+                softcap=self.softcap, return_lse=True, validate=False,
+            )
+            rows = slice(0, q.shape[0]) if q_rows.index is None else q_rows.index
+            return rows, out, lse
+        return attend_piece
+
+
+def _check_no_varlen_window(window_size) -> None:
+    if tuple(window_size) != _checks.NO_WINDOW:
+        raise NotImplementedError(
+            f"ring_flash_attn_varlen_func does not support window_size (got {tuple(window_size)}): "
+            "a window's kernel calls are trimmed to each sequence's length, so one packed call per "
+            "ring step cannot express them; use ring_flash_attn_func on each sequence"
+        )
+
+
+def _local_lengths(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, world: int, layout: str) -> list[int]:
+    """The local sequence lengths (read on the host), checked against the shard's rows, the
+    layout (even lengths for zigzag) and ``max_seqlen``."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != total or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at the number of local tokens "
+            f"({total}), got {bounds}"
+        )
+    lengths = [b1 - b0 for b0, b1 in zip(bounds, bounds[1:])]
+    per_rank = layouts.num_chunks(world, layout) // world
+    for b, length in enumerate(lengths):
+        if length % per_rank:
+            raise ValueError(
+                f"sequence {b} has {length} local tokens, an odd number: the zigzag layout gives each "
+                f"rank two equal chunks of every sequence, so its full length must divide by "
+                f"2 x {world} = {2 * world}; shard with flashkernel.distributed.shard_varlen"
+            )
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen is {max_seqlen} but sequence {lengths.index(max(lengths))} has "
+                         f"{max(lengths)} local tokens: pass at least the longest local length")
+    return lengths
+
+
+def ring_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    group=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = _checks.NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    layout: str = "zigzag",
+):
+    """Ring attention over packed sequences, each sharded across the ranks of ``group``.
+
+    Every rank calls this with its shard of the packed batch, as
+    :func:`flashkernel.distributed.shard_varlen` makes it; the result equals
+    :func:`flashkernel.flash_attn_varlen_func` on the full batch, sharded the same way.
+
+    Args:
+        q: ``[total / W, num_heads, head_dim]``; k, v: ``[total / W, num_kv_heads, head_dim]``:
+            this rank's rows of every sequence (sequence ``b`` at rows ``cu_seqlens[b] ..
+            cu_seqlens[b + 1]``), the same rows for q, k and v (self-attention).
+        cu_seqlens: int32 ``[batch + 1]``, the *local* cumulative lengths (the full batch's
+            divided by ``W``; identical on every rank). Read on the host (a device-to-host copy
+            on GPU) to check the lengths and to index the zigzag causal steps.
+        max_seqlen: int, at least the longest local sequence.
+        group, causal, softmax_scale, softcap, sinks, return_lse, layout: as in
+            :func:`ring_flash_attn_func`, per sequence. Each full sequence length must divide by
+            ``2W`` (zigzag) or ``W`` (contiguous).
+        window_size, alibi_slopes: not supported (``NotImplementedError``).
+
+    Returns:
+        ``out [total / W, num_heads, head_dim]`` in q's dtype, and with ``return_lse=True`` also
+        ``lse [num_heads, total / W]`` float32, in the shard's row order. Forward only.
+    """
+    _check_distributed(group)
+    _check_no_alibi(alibi_slopes)
+    layouts.check_layout(layout)
+    max_q, _ = _checks.check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                           kernels_interpreted())
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        _checks.check_flag(name, flag)
+    scale = _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    window, cap = _checks.check_variant(q, cu_seqlens.shape[0] - 1, q.shape[1], window_size, softcap, None, sinks)
+    _check_no_varlen_window(window)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q holds {q.shape[0]} tokens and k {k.shape[0]}: ring attention shards one packed "
+                         "batch (self-attention), so q, k and v hold the same rows")
+    ring = Ring(group, q.device)
+    lengths = _local_lengths(cu_seqlens, q.shape[0], max_q, ring.world, layout)
+    total, num_heads, head_dim = q.shape
+    result = MergedResult((total, num_heads, head_dim), (num_heads, total), q.device, token_dim=0)
+    if total > 0:
+        spec = VarlenRing(ring, layout, causal, scale, cap, cu_seqlens, lengths, max_q)
+        run_ring(ring, torch.stack((k, v)), spec.pieces_for, spec.attend(q), result)
+    if sinks is not None:
+        result.add_sinks(sinks)
+    out = result.out.to(q.dtype)
+    return (out, result.lse) if return_lse else out
