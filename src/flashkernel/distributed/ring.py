@@ -146,17 +146,27 @@ class MergedResult:
 
     Rows no part has reached hold output 0 and LSE -inf. Token rows are dim 1 of the output and
     dim 2 of the LSE (``token_dim`` shifts both, for packed ``[T, H, D]`` / ``[H, T]`` results).
+    A first part that covers every row becomes the result as it is (no zero fill, no merge).
     """
 
     def __init__(self, out_shape, lse_shape, device, token_dim: int = 1):
-        self.out = torch.zeros(out_shape, dtype=torch.float32, device=device)
-        self.lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device)
-        self.token_dim = token_dim
+        self.out_shape, self.lse_shape, self.device, self.token_dim = out_shape, lse_shape, device, token_dim
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def _start_empty(self) -> None:
+        if self.out is None:
+            self.out = torch.zeros(self.out_shape, dtype=torch.float32, device=self.device)
+            self.lse = torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=self.device)
 
     def add(self, rows: slice | torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
         """Merge a part covering token ``rows`` (a slice, or an int64 index of rows), its LSE
-        -inf where it saw no key."""
+        -inf where it saw no key. The part's tensors may be kept and modified."""
         t = self.token_dim
+        if self.out is None and isinstance(rows, slice) and (rows.start, rows.stop) == (0, self.out_shape[t]):
+            self.out, self.lse = part_out.float(), part_lse
+            return
+        self._start_empty()
         if isinstance(rows, slice):  # views: merged in place
             count = rows.stop - rows.start
             _merge_in_place(self.out.narrow(t, rows.start, count), self.lse.narrow(t + 1, rows.start, count),
@@ -167,8 +177,16 @@ class MergedResult:
         self.out.index_copy_(t, rows, out_rows)
         self.lse.index_copy_(t + 1, rows, lse_rows)
 
+    def finish(self, dtype: torch.dtype, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out in dtype, lse float32)``, with the sinks ``[H]`` merged when given."""
+        self._start_empty()
+        if sinks is not None:
+            self.add_sinks(sinks)
+        return self.out.to(dtype), self.lse
+
     def add_sinks(self, sinks: torch.Tensor) -> None:
         """Merge the sink of each head ``[H]``: a part with LSE ``sink`` and output 0."""
+        self._start_empty()
         head_shape = [1] * self.lse.dim()
         head_shape[self.token_dim] = sinks.shape[0]
         _merge_in_place(self.out, self.lse, None, sinks.view(head_shape), self.token_dim)
@@ -235,16 +253,21 @@ AttendPiece = Callable[[torch.Tensor, Piece], tuple[Rows, torch.Tensor, torch.Te
 
 
 def run_ring(ring: Ring, kv: torch.Tensor, pieces_for: Callable[[int], Iterable[Piece]],
-             attend: AttendPiece, result: MergedResult, *, communicate: bool = True) -> None:
+             attend: AttendPiece, result: MergedResult, *, communicate: bool = True,
+             on_step: Callable[[int], None] | None = None) -> None:
     """The ring loop: at step ``s`` attend to the block of rank ``(rank - s) mod W`` (its pieces
     from ``pieces_for(source)``) while the next block is in flight.
 
     ``kv`` is this rank's packed key/value buffer; ``attend(kv_block, piece)`` returns the part
     ``(rows, out, lse)`` for the piece's query rows. ``communicate=False`` computes every step's pieces
     against the local block instead (the same work without the transfers; for benchmarks).
+    ``on_step(s)`` is called as step ``s`` begins and with ``s = W`` after the last (benchmarks
+    record CUDA events there).
     """
     spare = torch.empty_like(kv) if communicate and ring.world > 1 else None
     for step in range(ring.world):
+        if on_step is not None:
+            on_step(step)
         source = (ring.rank - step) % ring.world
         transfer = ring.start(kv, spare) if spare is not None and step + 1 < ring.world else None
         for piece in pieces_for(source):
@@ -252,6 +275,8 @@ def run_ring(ring: Ring, kv: torch.Tensor, pieces_for: Callable[[int], Iterable[
         if transfer is not None:
             ring.finish(transfer)
             kv, spare = spare, kv
+    if on_step is not None:
+        on_step(ring.world)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +307,16 @@ class DenseRing:
             )
             return rows, out, lse
         return attend_piece
+
+
+def dense_forward(spec: DenseRing, q, k, v, **run_options) -> MergedResult:
+    """The ring over validated dense shards; ``run_options`` go to :func:`run_ring`."""
+    batch, local_len, num_heads, head_dim = q.shape
+    result = MergedResult((batch, local_len, num_heads, head_dim), (batch, num_heads, local_len), q.device)
+    if batch > 0 and local_len > 0:
+        kv = torch.stack((k, v))  # the buffer that travels: [2, B, S / W, Hkv, D]
+        run_ring(spec.ring, kv, spec.pieces_for(local_len), spec.attend(q), result, **run_options)
+    return result
 
 
 def prepare_dense(q, k, v, group, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
@@ -352,15 +387,8 @@ def ring_flash_attn_func(
     """
     spec = prepare_dense(q, k, v, group, causal, softmax_scale, window_size, softcap, alibi_slopes,
                          sinks, return_lse, layout)
-    batch, local_len, num_heads, head_dim = q.shape
-    result = MergedResult((batch, local_len, num_heads, head_dim), (batch, num_heads, local_len), q.device)
-    if batch > 0 and local_len > 0:
-        kv = torch.stack((k, v))  # the buffer that travels: [2, B, S / W, Hkv, D]
-        run_ring(spec.ring, kv, spec.pieces_for(local_len), spec.attend(q), result)
-    if sinks is not None:
-        result.add_sinks(sinks)
-    out = result.out.to(q.dtype)
-    return (out, result.lse) if return_lse else out
+    out, lse = dense_forward(spec, q, k, v).finish(q.dtype, sinks)
+    return (out, lse) if return_lse else out
 
 
 # --- packed sequences -------------------------------------------------------------------------------
@@ -533,7 +561,5 @@ def ring_flash_attn_varlen_func(
     if total > 0:
         spec = VarlenRing(ring, layout, causal, scale, cap, cu_seqlens, lengths, max_q)
         run_ring(ring, torch.stack((k, v)), spec.pieces_for, spec.attend(q), result)
-    if sinks is not None:
-        result.add_sinks(sinks)
-    out = result.out.to(q.dtype)
-    return (out, result.lse) if return_lse else out
+    out, lse = result.finish(q.dtype, sinks)
+    return (out, lse) if return_lse else out
