@@ -14,11 +14,12 @@ Keys and values are packed once into one buffer ``[2, B, S / W, Hkv, D]`` so a s
 and one receive (``torch.distributed.batch_isend_irecv`` to the next and from the previous
 rank), issued *before* the step's compute so the transfer overlaps it. Two buffers alternate
 (double buffering): the one being read by this step's kernels and the one being received into.
-On CUDA the transfer is issued from a side stream that first waits for the compute stream (the
-buffer it receives into was read by the previous step's kernels); an event recorded on the side
-stream after the transfer completes is what the compute stream waits on before it reads the
-received block. Nothing blocks the host. On the CPU (gloo) the same code waits on the work
-handles instead; gloo moves the data on its own threads, so the transfer still overlaps.
+On CUDA the transfer is issued from a side stream that first waits for an event recorded after
+the previous step's attention kernels (they read the buffer it receives into; the merges that
+follow them need not finish first); an event recorded on the side stream after the transfer
+completes is what the compute stream waits on before it reads the received block. Nothing
+blocks the host. On the CPU (gloo) the same code waits on the work handles instead; gloo moves
+the data on its own threads, so the transfer still overlaps.
 
 Merge
 -----
@@ -112,14 +113,23 @@ class Ring:
         self.prev_rank = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
         self.stream = _comm_stream(device) if device.type == "cuda" else None
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor) -> _Transfer:
+    def start(self, send: torch.Tensor, recv: torch.Tensor, recv_free: torch.cuda.Event | None = None) -> _Transfer:
         """Send ``send`` to the next rank and receive the previous rank's into ``recv``, in the
-        background. Neither may be written until :meth:`finish`; ``recv`` may not be read."""
+        background. Neither may be written until :meth:`finish`; ``recv`` may not be read.
+
+        On CUDA the transfer starts once ``recv_free`` (:meth:`mark_read` after the last kernel
+        that read ``recv``) has passed, or, without it, once all work queued so far on the
+        current stream is done. ``send`` must have arrived through this ring or be ready on the
+        current stream by then.
+        """
         ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group),
                dist.P2POp(dist.irecv, recv, self.prev_rank, self.group)]
         if self.stream is None:
             return _Transfer(dist.batch_isend_irecv(ops), None)
-        self.stream.wait_stream(torch.cuda.current_stream(send.device))
+        if recv_free is None:
+            self.stream.wait_stream(torch.cuda.current_stream(send.device))
+        else:
+            self.stream.wait_event(recv_free)
         with torch.cuda.stream(self.stream):
             works = dist.batch_isend_irecv(ops)
             for work in works:
@@ -127,6 +137,14 @@ class Ring:
             done = torch.cuda.Event()
             done.record(self.stream)
         return _Transfer(works, done)
+
+    def mark_read(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the current stream (None on the CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def finish(self, transfer: _Transfer) -> None:
         """After this, the received buffer may be read on the current stream (CUDA), or at all
@@ -265,13 +283,18 @@ def run_ring(ring: Ring, kv: torch.Tensor, pieces_for: Callable[[int], Iterable[
     record CUDA events there).
     """
     spare = torch.empty_like(kv) if communicate and ring.world > 1 else None
+    spare_free = None  # when the last kernel reading `spare` is done (None: all queued work)
     for step in range(ring.world):
         if on_step is not None:
             on_step(step)
         source = (ring.rank - step) % ring.world
-        transfer = ring.start(kv, spare) if spare is not None and step + 1 < ring.world else None
-        for piece in pieces_for(source):
-            result.add(*attend(kv, piece))
+        transfer = ring.start(kv, spare, spare_free) if spare is not None and step + 1 < ring.world else None
+        parts = [attend(kv, piece) for piece in pieces_for(source)]
+        # The next transfer may overwrite this block as soon as these kernels have read it: it
+        # need not wait for the merges below.
+        spare_free = ring.mark_read()
+        for part in parts:
+            result.add(*part)
         if transfer is not None:
             ring.finish(transfer)
             kv, spare = spare, kv
