@@ -334,8 +334,12 @@ def run_torch_cp(args, seqlen: int, backend: str, rotate: str, ring_out_local: t
 
         mesh = _device_mesh()
         set_rotate_method(rotate)
-        # SDPA's layout [B, H, S, D]; context_parallel shards these buffers in place (head-tail order).
-        q, k, v = (x.transpose(1, 2).contiguous() for x in full_inputs(args, seqlen))
+        # SDPA's layout [B, H, S, D], one tensor at a time (at 2M tokens each is 16 GiB);
+        # context_parallel shards these buffers in place, in head-tail order (= zigzag).
+        q, k, v = full_inputs(args, seqlen)
+        q = q.transpose(1, 2).contiguous()
+        k = k.transpose(1, 2).contiguous()
+        v = v.transpose(1, 2).contiguous()
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}), \
                 sdpa_kernel(backends[backend]):
             def call():
