@@ -33,7 +33,8 @@ written with torch ops. Why not ``kernels.combine.combine``: it merges ``P`` par
 the same rows, stacked as ``[P, B, T, H, D]``, so it would need every step's output kept (memory
 ``W`` times the shard's output) and padded to all rows, while a step's kernel call covers only
 some rows (half the rows on most zigzag steps, a trimmed range with a window). The in-place merge
-keeps memory constant in ``W`` and touches only the rows a call wrote. Sinks are merged once at
+keeps memory constant in ``W`` and touches only the rows a call wrote; a first part covering
+every row (the diagonal step) simply becomes the accumulator. Sinks are merged once at
 the end as one more part with LSE ``sink`` and output 0, which is exactly the sink's definition
 (the kernel calls get no sink, so it is not counted ``W`` times).
 
@@ -53,7 +54,8 @@ Variants
 
 Backward (planned, not implemented here)
 ----------------------------------------
-The forward keeps what a ring backward needs: the inputs, the output and the final LSE; the
+The forward keeps what a ring backward needs: the inputs, the output and the final LSE (always
+computed in float32, also when ``return_lse=False``, so an ``autograd.Function`` can save it); the
 per-step outputs are not needed, because the FlashAttention backward of a block recomputes its
 probabilities from the *final* LSE (``p = exp(s - lse)``) and uses ``delta = rowsum(dO * O)``
 of the final output. The backward runs the same ring with the same ``plan_step`` pieces per
