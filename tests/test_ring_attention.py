@@ -219,7 +219,10 @@ CPU_CASES_4 = [
     Case("zigzag-full", causal=False, chunk=3),
     Case("zigzag-window-sinks-softcap", chunk=4, window=(5, -1), sinks=True, softcap=2.5),
     Case("contiguous-window", layout="contiguous", causal=False, window=(3, 3), chunk=4),
+    Case("zigzag-window-both-sides", causal=False, window=(6, 3), chunk=3, kv_heads=2),
     Case("varlen-zigzag-causal", varlen_chunks=(2, 1, 3), kv_heads=1),
+    Case("varlen-contiguous-full-softcap-sinks", layout="contiguous", causal=False, varlen_chunks=(1, 3),
+         softcap=2.0, sinks=True, dtype=torch.float32),
 ]
 GPU_CASES = [
     Case("zigzag-causal-bf16", dtype=torch.bfloat16, chunk=512, heads=8, kv_heads=2, head_dim=128, batch=2),
