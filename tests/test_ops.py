@@ -341,12 +341,8 @@ def test_fake_launch_replay_takes_integer_addresses(monkeypatch):
     rec.add(Compiled(), (3,), (a, 7, b, 0.5), device=0)
     replay = rec.finish((None,))
     assert replay is not None
-    class Driver:
-        class active:
-            get_current_device = staticmethod(lambda: 0)
-            get_current_stream = staticmethod(lambda device: 99)
-
-    monkeypatch.setattr(_launch, "driver", Driver)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 99)
     c, d = torch.empty(8), torch.empty(8)
     replay.run((c, d))
     (args,) = calls

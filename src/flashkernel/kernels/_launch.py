@@ -205,7 +205,7 @@ class Replay:
     def run(self, inputs):
         """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
         recorded device); returns the outputs as the recorded call did."""
-        if torch._C._cuda_getDevice() != self.device:
+        if _current_device() != self.device:
             with torch.cuda.device(self.device):
                 return self._run(inputs)
         return self._run(inputs)
@@ -231,6 +231,10 @@ class Replay:
 def _raw_stream(device: int) -> int:
     """The current CUDA stream of ``device``, as Triton's launcher takes it."""
     return torch._C._cuda_getCurrentRawStream(device)
+
+
+# torch.cuda.current_device without its Python wrapper (absent from CPU builds of torch).
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def replay_allowed() -> bool:
