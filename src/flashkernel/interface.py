@@ -105,7 +105,7 @@ def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op):
             hash(eager_key)
         except TypeError:  # an unhashable key (a list as window_size): not recorded
             return run_eager()
-        return _EAGER_CALLS.record(eager_key, tensors, run_eager)
+        return _EAGER_CALLS.run(eager_key, tensors, run_eager)
     ops.check_no_grad(op, named, f"flashkernel.{public}")
     return run_op()
 

@@ -74,7 +74,7 @@ class _Plan:
         replay = self._calls.get(0)
         if replay is not None:
             return replay.run(inputs)
-        return self._calls.record(0, inputs, call)
+        return self._calls.run(0, inputs, call)
 
 
 class DecodePlan(_Plan):

@@ -159,11 +159,17 @@ class _NotReplayable(Exception):
     pass
 
 
-def _identify(ptr: int, candidates) -> int:
-    """Index of the first tensor in ``candidates`` whose address is ``ptr``."""
+def _identify(ptr: int, candidates, first_allocation: int) -> tuple[int, int]:
+    """``(index, byte offset)``: the first tensor in ``candidates`` whose address is ``ptr``
+    (offset 0), or an allocation (index >= ``first_allocation``: buffers made for this call,
+    never shared) that holds ``ptr`` (a view into it, e.g. one of the split partials' parts)."""
     for i, t in enumerate(candidates):
         if t is not None and t.data_ptr() == ptr:
-            return i
+            return i, 0
+    for i, t in enumerate(candidates[first_allocation:], first_allocation):
+        base = t.untyped_storage().data_ptr()
+        if base <= ptr < base + t.untyped_storage().nbytes():
+            return i, ptr - t.data_ptr()
     raise _NotReplayable(f"an argument at {ptr:#x} is none of the call's tensors (a view at an offset?)")
 
 
@@ -178,12 +184,14 @@ class Replay:
         if any(o is not None and id(o) not in alloc_ids for o in outputs):
             raise _NotReplayable("an output was not made by allocate()")  # zeros, a copy
         self.allocations = tuple((tuple(t.shape), t.dtype, t.device) for t in rec.allocations)
+        self.num_inputs = len(inputs)
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
-        everything = inputs + tuple(rec.allocations)
+        self.everything = inputs + tuple(rec.allocations)
         self.device = rec.launches[0][3]
-        self.launches = tuple(self._launch_template(c, g, v, d, everything) for c, g, v, d in rec.launches)
+        self.launches = tuple(self._launch_template(c, g, v, d) for c, g, v, d in rec.launches)
+        del self.everything  # the call's tensors: needed only to read the addresses
 
-    def _launch_template(self, compiled, grid, values, device, tensors):
+    def _launch_template(self, compiled, grid, values, device):
         if device != self.device:
             raise _NotReplayable("launches on two devices")
         runner = compiled.run  # Triton's CudaLauncher (built on first use)
@@ -192,10 +200,12 @@ class Replay:
         args, slots, descriptors = list(values), [], []
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor):
-                slots.append((i, _identify(value.data_ptr(), tensors)))
+                slots.append((i, *_identify(value.data_ptr(), self.everything, self.num_inputs)))
             elif hasattr(value, "block_shape") and hasattr(value, "base"):
-                descriptors.append((i, _identify(value.base.data_ptr(), tensors),
-                                    list(value.shape), list(value.strides), value.padding))
+                j, offset = _identify(value.base.data_ptr(), self.everything, self.num_inputs)
+                if offset:
+                    raise _NotReplayable("a TMA descriptor of a view at an offset")
+                descriptors.append((i, j, list(value.shape), list(value.strides), value.padding))
         grid = tuple(grid) + (1,) * (3 - len(grid))
         scratch = getattr(runner, "global_scratch_size", 0) * grid[0] * grid[1] * grid[2] * runner.num_ctas
         head = (runner.launch, grid, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
@@ -217,8 +227,8 @@ class Replay:
         stream = _raw_stream(self.device)
         for (launch, grid, function, coop, pdl, metadata), template, slots, descriptors, scratch in self.launches:
             args = template.copy()
-            for i, j in slots:
-                args[i] = addresses[j]
+            for i, j, offset in slots:
+                args[i] = addresses[j] + offset
             for i, j, shape, strides, padding in descriptors:
                 args[i] = _Descriptor(_Address(addresses[j]), shape, strides, padding)
             scratch_buf = torch.empty(scratch, dtype=torch.uint8, device=inputs[0].device) if scratch else None
@@ -269,26 +279,34 @@ class CallCache:
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
     def get(self, key) -> Replay | None:
-        return self._replays.get(key)
+        """The replay of ``key``; None when there is none (yet, or ever: :meth:`run` knows)."""
+        replay = self._replays.get(key)
+        return replay or None
 
-    def record(self, key, inputs, run):
-        """``run()`` under a :class:`Recorder` of ``inputs``; keeps the replay when there is one.
-        ``run`` returns a tuple of output tensors (None allowed), which is returned."""
+    def run(self, key, inputs, run):
+        """``run()`` (the full path of a call whose key had no replay): recorded under a
+        :class:`Recorder` of ``inputs`` and kept as a replay when it can be one; a call that
+        cannot be replayed (the refusal does not depend on addresses) is remembered, so later
+        calls of its key run the full path without recording. ``run`` returns a tuple of output
+        tensors (None allowed), which is returned."""
+        if key in self._replays:  # refused before
+            return run()
         with Recorder(inputs) as rec:
             outputs = run()
         replay = rec.finish(outputs)
         self.last_refusal = rec.refusal
-        if replay is not None:
+        if replay is not None or rec.refusal not in (None, "spoiled"):
             if len(self._replays) >= self.max_entries:
                 self._replays.clear()
-            self._replays[key] = replay
+            self._replays[key] = replay or False
         return outputs
 
     def clear(self) -> None:
         self._replays.clear()
 
     def __len__(self) -> int:
-        return len(self._replays)
+        """Keys with a replay."""
+        return sum(1 for replay in self._replays.values() if replay)
 
 
 # ---- the launcher -----------------------------------------------------------------------------
