@@ -410,3 +410,17 @@ def test_decode_plan_replays_bit_identical_gpu():
                               block_table=bt)
             assert torch.equal(plan.run(q, k_cache, v_cache, k=k, v=v), want)
             assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+
+
+@pytest.mark.gpu
+def test_a_replay_keeps_no_tensor_of_its_calls_alive_gpu():
+    import gc
+    import weakref
+
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs(1, 1024, 8, 32, 128, torch.bfloat16, 1, (1000,))
+    out = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # records
+    refs = [weakref.ref(x) for x in (out, k_cache, q)]
+    assert len(interface._EAGER_CALLS) == 1
+    del out, k_cache, q
+    gc.collect()
+    assert all(ref() is None for ref in refs)

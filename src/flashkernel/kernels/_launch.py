@@ -197,15 +197,19 @@ class Replay:
         runner = compiled.run  # Triton's CudaLauncher (built on first use)
         if not hasattr(runner, "launch") or getattr(runner, "profile_scratch_size", 0) > 0:
             raise _NotReplayable("another Triton's launcher, or instrumentation")
+        # The template keeps no tensor of the recorded call (its slots are filled per run): a
+        # replay must not keep the call's outputs or the caller's tensors alive.
         args, slots, descriptors = list(values), [], []
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor):
                 slots.append((i, *_identify(value.data_ptr(), self.everything, self.num_inputs)))
+                args[i] = None
             elif hasattr(value, "block_shape") and hasattr(value, "base"):
                 j, offset = _identify(value.base.data_ptr(), self.everything, self.num_inputs)
                 if offset:
                     raise _NotReplayable("a TMA descriptor of a view at an offset")
                 descriptors.append((i, j, list(value.shape), list(value.strides), value.padding))
+                args[i] = None
         grid = tuple(grid) + (1,) * (3 - len(grid))
         scratch = getattr(runner, "global_scratch_size", 0) * grid[0] * grid[1] * grid[2] * runner.num_ctas
         head = (runner.launch, grid, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
