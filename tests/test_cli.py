@@ -78,7 +78,10 @@ def test_check_in_a_fresh_process_sets_the_interpreter_itself():
     header = done.stdout.splitlines()[1]
     for column in ("function", "case", "max err", "torch err", "ratio", "result"):
         assert column in header
-    assert "flash_attn_func" in done.stdout and "standard_attention" in done.stdout
+    for function in ("flash_attn_func", "standard_attention", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        assert function in done.stdout
+    assert "window+softcap+alibi+sinks" in done.stdout
+    assert "public names without a check" not in done.stdout
     assert "FAIL" not in done.stdout and " passed, 0 failed" in done.stdout
 
 

@@ -428,13 +428,11 @@ def test_kvcache_bookkeeping():
     assert cache.cache_seqlens.tolist() == [3, 9, 3]
     cache.free(1)
     assert cache.free_pages() == 8 and cache.length(1) == 0 and cache.cache_seqlens[1] == 0
+    assert cache.block_table[1].tolist() == [-1] * 4, "a freed row must name no page"
     with pytest.raises(ValueError, match="sequence 2 would need 5 pages for 20 tokens; block_table has 4 columns"):
         cache.reserve(17, 2)
     with pytest.raises(ValueError, match="sequence 0 has no room reserved for 2 more tokens"):
         cache.advance(2, 0)
-    with pytest.raises(ValueError, match="page size 3"):
-        flashkernel.KVCache(num_blocks=1, page_size=3, num_kv_heads=1, head_dim=8, batch=1,
-                            max_blocks_per_seq=1, device=DEVICE)
 
 
 def test_kvcache_advance_changes_nothing_when_it_fails():
@@ -455,6 +453,116 @@ def test_kvcache_pool_exhausted():
     cache.reserve(8, 0)
     with pytest.raises(RuntimeError, match="page pool exhausted: sequence 1 needs 1 pages, 0 free"):
         cache.reserve(1, 1)
+
+
+def small_cache(**overrides) -> flashkernel.KVCache:
+    args = dict(num_blocks=6, page_size=4, num_kv_heads=2, head_dim=8, batch=3, max_blocks_per_seq=2,
+                dtype=torch.float16, device=DEVICE)
+    return flashkernel.KVCache(**{**args, **overrides})
+
+
+def test_kvcache_unused_block_table_entries_name_no_page():
+    """-1, never a valid page (0 was page 0 of some other sequence), before and after reserve."""
+    cache = small_cache()
+    assert cache.block_table.tolist() == [[-1, -1]] * 3
+    cache.reserve(5, 1)
+    assert cache.block_table.tolist() == [[-1, -1], [0, 1], [-1, -1]]
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_append_without_reserve_never_writes_another_sequences_page(validate):
+    """Sequence 0's page is full and it appends without reserve: the call refuses (validate) or
+    skips its token (no validation); either way no other sequence's tokens change, and
+    advance then refuses the token that has no room."""
+    cache = small_cache()
+    dtype, heads = torch.float16, 2
+    cache.append(1, torch.randn(3, heads, 8, dtype=dtype, device=DEVICE), torch.randn(3, heads, 8, dtype=dtype, device=DEVICE))
+    cache.append(0, torch.randn(4, heads, 8, dtype=dtype, device=DEVICE), torch.randn(4, heads, 8, dtype=dtype, device=DEVICE))
+    assert cache.pages(1) == [0] and cache.pages(0) == [1]  # sequence 1 owns page 0
+    cache.reserve(1, 1)  # room for sequence 1 only
+    before = [cache.gather(seq) for seq in range(2)]
+    k_pages, v_pages = cache.k_pages.clone(), cache.v_pages.clone()
+    q = torch.randn(2, 1, 4, 8, dtype=dtype, device=DEVICE)
+    k = torch.randn(2, 1, heads, 8, dtype=dtype, device=DEVICE)
+    v = torch.randn_like(k)
+    call = lambda: flashkernel.flash_attn_with_kvcache(  # noqa: E731
+        q, cache.k_pages, cache.v_pages, k=k, v=v, cache_seqlens=cache.cache_seqlens[:2],
+        block_table=cache.block_table[:2], validate=validate)
+    if validate:
+        with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1 points outside the page pool"):
+            call()
+        assert torch.equal(cache.k_pages, k_pages) and torch.equal(cache.v_pages, v_pages)
+        return
+    call()
+    expected_k, expected_v = k_pages.clone(), v_pages.clone()
+    expected_k[0, 3], expected_v[0, 3] = k[1, 0], v[1, 0]  # sequence 1's token 3: page 0, slot 3
+    assert torch.equal(cache.k_pages, expected_k) and torch.equal(cache.v_pages, expected_v)
+    assert all(torch.equal(a, b) for a, b in zip(cache.gather(0), before[0]))
+    with pytest.raises(ValueError, match="sequence 0 has no room reserved for 1 more tokens"):
+        cache.advance(1, [0, 1])
+    cache.advance(1, 1)
+    assert torch.equal(cache.gather(1)[0][-1], k[1, 0])
+
+
+@pytest.mark.parametrize("k_shape, v_shape, dtype, match", [
+    ((5, 3, 8), (5, 3, 8), torch.float16, r"k has shape \(5, 3, 8\); .* \[n, 2, 8\]"),
+    ((5, 2, 16), (5, 2, 16), torch.float16, r"k has shape \(5, 2, 16\)"),
+    ((5, 16), (5, 16), torch.float16, r"k has shape \(5, 16\)"),
+    ((5, 2, 8), (5, 1, 8), torch.float16, r"v has shape \(5, 1, 8\)"),
+    ((5, 2, 8), (4, 2, 8), torch.float16, "k has 5 tokens and v has 4"),
+    ((5, 2, 8), (5, 2, 8), torch.float32, "k has dtype torch.float32 but the cache's pages are torch.float16"),
+], ids=["heads", "head_dim", "rank", "v-heads", "token-count", "dtype"])
+def test_kvcache_append_rejects_bad_tokens_before_reserving(k_shape, v_shape, dtype, match):
+    cache = small_cache()
+    cache.append(0, torch.randn(2, 2, 8, dtype=torch.float16, device=DEVICE),
+                 torch.randn(2, 2, 8, dtype=torch.float16, device=DEVICE))
+    table, free = cache.block_table.clone(), cache.free_pages()
+    k = torch.randn(k_shape, device=DEVICE).to(dtype)
+    v = torch.randn(v_shape, device=DEVICE).to(dtype)
+    with pytest.raises((ValueError, TypeError), match=match):
+        cache.append(1, k, v)
+    assert cache.free_pages() == free and torch.equal(cache.block_table, table), "pages leaked"
+    assert [cache.length(s) for s in range(3)] == [2, 0, 0] and cache.cache_seqlens.tolist() == [2, 0, 0]
+
+
+@pytest.mark.parametrize("seq", [3, -1, 1.0, True])
+def test_kvcache_rejects_bad_sequence_slots(seq):
+    cache = small_cache()
+    k = torch.randn(1, 2, 8, dtype=torch.float16, device=DEVICE)
+    for call in (lambda: cache.append(seq, k, k), lambda: cache.reserve(1, seq), lambda: cache.free(seq)):
+        with pytest.raises(ValueError, match=r"seq must be a sequence slot from 0 to 2, got"):
+            call()
+    assert cache.free_pages() == 6
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"page_size": 12}, "page_size must be a power of two from 1 to 256 .*got 12"),
+    ({"page_size": 512}, "page_size must be a power of two from 1 to 256 .*got 512"),
+    ({"page_size": 0}, "page_size must be a positive int, got 0"),
+    ({"num_blocks": 0}, "num_blocks must be a positive int, got 0"),
+    ({"batch": 2.0}, "batch must be a positive int, got 2.0"),
+    ({"dtype": torch.int8}, "dtype must be one of .*got torch.int8"),
+])
+def test_kvcache_constructor_names_the_bad_argument(overrides, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        small_cache(**overrides)
+
+
+def test_kvcache_device_defaults_to_cuda_if_available_else_cpu():
+    cache = small_cache(device=None)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    for t in (cache.k_pages, cache.v_pages, cache.block_table, cache.cache_seqlens):
+        assert t.device.type == expected
+
+
+def test_kvcache_reserve_allocates_nothing_when_one_sequence_does_not_fit():
+    cache = small_cache(num_blocks=3)
+    cache.reserve(4, 0)
+    with pytest.raises(RuntimeError, match=r"page pool exhausted: sequence 2 needs 2 pages, 0 free \(after 2 for the sequences before it\)"):
+        cache.reserve(8, [1, 2])  # sequence 1 would take 2 of the 2 free pages, sequence 2 needs 2 more
+    assert cache.free_pages() == 2 and cache.pages(1) == [] and cache.block_table[1].tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -2"):
+        cache.reserve(-2)
 
 
 def test_decode_steps_through_kvcache():

@@ -1,7 +1,20 @@
 """flashkernel: exact, IO-aware attention kernels for LLM inference, written in Triton.
 
-Public functions are imported lazily so that ``import flashkernel`` stays cheap and so that
-tools (the CLI, tests) can choose Triton's CPU interpreter before any kernel is built.
+Tensors are ``[batch, seqlen, heads, head_dim]`` (float16, bfloat16 or float32) on a CUDA GPU,
+or on the CPU under Triton's interpreter (set ``TRITON_INTERPRET=1`` before importing).
+
+Public API:
+
+    flash_attn_func          fused attention forward (prefill): causal, GQA / MQA, sliding
+                             window, softcap, ALiBi, sinks; optional log-sum-exp
+    flash_attn_varlen_func   the same over packed sequences (``cu_seqlens``), no padding
+    flash_attn_with_kvcache  decode: append new k/v to a contiguous or paged KV cache, attend
+    KVCache                  a paged KV cache's bookkeeping (pages, block table, lengths)
+    standard_attention       the textbook three kernels (QK^T, softmax, PV), a baseline
+    reference                float64 attention with every variant's semantics: the spec
+
+Each is imported on first use, so ``import flashkernel`` stays cheap and tools (the CLI,
+tests) can choose Triton's CPU interpreter before any kernel is built.
 """
 
 from __future__ import annotations
@@ -34,3 +47,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{module_name}", __name__), name)
     globals()[name] = value  # later lookups skip this hook (it cost ~2 us per decode call)
     return value
+
+
+def __dir__() -> list[str]:
+    """The public API (not yet imported) along with what the module already holds."""
+    return sorted(set(globals()) | set(_LAZY))

@@ -8,7 +8,11 @@ at ``pages[block_table[b, j // page_size], j % page_size]``; these are exactly t
 :func:`flashkernel.flash_attn_with_kvcache`.
 
 Host lists are the source of truth; the device tensors are updated in place (never
-reallocated), so a CUDA graph that captured them sees every change. One decode step::
+reallocated), so a CUDA graph that captured them sees every change. Entries of ``block_table``
+that name no page hold -1, never a valid page index: a step that appends to a sequence without
+:meth:`KVCache.reserve` is refused by ``flash_attn_with_kvcache``'s checks (CPU tensors, or
+``validate=True``) or skipped by its append kernel, and never lands in another sequence's page.
+One decode step::
 
     cache.reserve(1)                      # pages for one more token per sequence (host work)
     out = flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages, k=k, v=v,
@@ -18,11 +22,34 @@ reallocated), so a CUDA graph that captured them sees every change. One decode s
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from . import _checks
 
 __all__ = ["KVCache"]
+
+NO_PAGE = -1  # a block_table entry that names no page (rejected by the kernels' checks)
+
+
+def default_device() -> str:
+    """``"cuda"`` when torch sees a GPU, else ``"cpu"`` (for Triton's interpreter)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_page_size(page_size) -> None:
+    _check_positive_int("page_size", page_size)
+    if page_size > _checks.MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(
+            f"page_size must be a power of two from 1 to {_checks.MAX_PAGE_SIZE} (the decode "
+            f"kernels' page sizes), got {page_size}"
+        )
 
 
 class KVCache:
@@ -35,8 +62,13 @@ class KVCache:
         batch: number of sequence slots.
         max_blocks_per_seq: columns of ``block_table``; a sequence holds at most
             ``max_blocks_per_seq * page_size`` tokens.
+        dtype: of the pages: float16, bfloat16 or float32.
+        device: where the pages live; None (default) means ``"cuda"`` when torch sees a GPU,
+            else ``"cpu"`` (where the kernels need Triton's interpreter, ``TRITON_INTERPRET=1``).
         shuffle_pages: hand out pages in a random order (as a long-running engine's pool ends
             up), instead of lowest index first.
+
+    Unused ``block_table`` entries are -1 (no page), also after :meth:`free`.
     """
 
     def __init__(
@@ -49,15 +81,21 @@ class KVCache:
         batch: int,
         max_blocks_per_seq: int,
         dtype: torch.dtype = torch.bfloat16,
-        device="cuda",
+        device=None,
         shuffle_pages: bool = False,
     ):
-        _checks.check_page_size(page_size)
+        for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("batch", batch), ("max_blocks_per_seq", max_blocks_per_seq)):
+            _check_positive_int(name, value)
+        _check_page_size(page_size)
+        if dtype not in _checks.SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(map(str, _checks.SUPPORTED_DTYPES))}, got {dtype}")
+        device = default_device() if device is None else device
         self.page_size = page_size
         shape = (num_blocks, page_size, num_kv_heads, head_dim)
         self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
         self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_table = torch.zeros(batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_table = torch.full((batch, max_blocks_per_seq), NO_PAGE, dtype=torch.int32, device=device)
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         order = torch.randperm(num_blocks).tolist() if shuffle_pages else list(range(num_blocks))
         self._free = order[::-1]  # pop() from the end hands out order[0] first
@@ -88,13 +126,21 @@ class KVCache:
     # ---- updates -----------------------------------------------------------------------------
 
     def _seqs(self, seqs) -> list[int]:
-        return list(range(self.batch)) if seqs is None else [seqs] if isinstance(seqs, int) else list(seqs)
+        """``seqs``: None (every slot), one slot index, or a list / tuple / range of them."""
+        chosen = list(range(self.batch)) if seqs is None else list(seqs) if isinstance(seqs, (list, tuple, range)) else [seqs]
+        for seq in chosen:
+            self._check_seq(seq)
+        return chosen
 
     def reserve(self, num_tokens: int, seqs=None) -> None:
         """Give each sequence in ``seqs`` (default: all) room for ``num_tokens`` more tokens.
 
         Allocates pages from the pool and writes them to ``block_table``; lengths are unchanged.
+        Checks every sequence first: when one does not fit, nothing is allocated.
         """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        grows, free = {}, len(self._free)
         for seq in self._seqs(seqs):
             needed = -(-(self._lengths[seq] + num_tokens) // self.page_size)
             if needed > self.block_table.shape[1]:
@@ -103,14 +149,18 @@ class KVCache:
                     f"tokens; block_table has {self.block_table.shape[1]} columns"
                 )
             grow = needed - len(self._pages[seq])
-            if grow <= 0:
-                continue
-            if grow > len(self._free):
-                raise RuntimeError(f"page pool exhausted: sequence {seq} needs {grow} pages, {len(self._free)} free")
+            if grow > free:
+                taken = len(self._free) - free
+                before = f" (after {taken} for the sequences before it)" if taken else ""
+                raise RuntimeError(f"page pool exhausted: sequence {seq} needs {grow} pages, {free} free{before}")
+            if grow > 0:
+                grows[seq] = grow
+                free -= grow
+        for seq, grow in grows.items():
             start = len(self._pages[seq])
             new = [self._free.pop() for _ in range(grow)]
             self._pages[seq].extend(new)
-            self.block_table[seq, start:needed] = torch.tensor(new, dtype=torch.int32)
+            self.block_table[seq, start:start + grow] = torch.tensor(new, dtype=torch.int32)
 
     def advance(self, num_tokens: int, seqs=None) -> None:
         """Count ``num_tokens`` more tokens (already written, e.g. by a decode step) in ``seqs``."""
@@ -128,28 +178,57 @@ class KVCache:
         else:
             self.cache_seqlens[chosen] = torch.tensor([self._lengths[s] for s in chosen], dtype=torch.int32)
 
+    def _check_seq(self, seq) -> None:
+        if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or not 0 <= seq < self.batch:
+            raise ValueError(f"seq must be a sequence slot from 0 to {self.batch - 1}, got {seq!r}")
+
+    def _check_new_tokens(self, k, v) -> None:
+        """``k, v``: tensors of shape ``[n, num_kv_heads, head_dim]`` in the pages' dtype and device."""
+        token_shape = tuple(self.k_pages.shape[2:])
+        for name, x in (("k", k), ("v", v)):
+            _checks.check_tensor(name, x)
+            if x.dim() != 3 or tuple(x.shape[1:]) != token_shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)}; KVCache.append takes [n, num_kv_heads, head_dim] = "
+                    f"[n, {token_shape[0]}, {token_shape[1]}]"
+                )
+            if x.dtype != self.k_pages.dtype:
+                raise TypeError(f"{name} has dtype {x.dtype} but the cache's pages are {self.k_pages.dtype}: cast it first")
+            if x.device != self.k_pages.device:
+                raise ValueError(f"{name} is on {x.device} but the cache's pages are on {self.k_pages.device}")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k has {k.shape[0]} tokens and v has {v.shape[0]}: they must have the same number")
+
     def append(self, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [n, num_kv_heads, head_dim]`` after sequence ``seq``'s tokens (prefill)."""
+        """Write ``k, v [n, num_kv_heads, head_dim]`` after sequence ``seq``'s tokens (prefill).
+
+        Checks the arguments before reserving anything, so a bad call leaves the cache as it was.
+        """
+        self._check_seq(seq)
+        self._check_new_tokens(k, v)
         n = k.shape[0]
         self.reserve(n, seq)
         pos = torch.arange(self._lengths[seq], self._lengths[seq] + n)
         pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size]
         slots = pos % self.page_size
         device = self.k_pages.device
-        self.k_pages[pages.to(device), slots.to(device)] = k.to(self.k_pages.dtype)
-        self.v_pages[pages.to(device), slots.to(device)] = v.to(self.v_pages.dtype)
+        self.k_pages[pages.to(device), slots.to(device)] = k
+        self.v_pages[pages.to(device), slots.to(device)] = v
         self.advance(n, seq)
 
     def free(self, seq: int) -> None:
-        """Return ``seq``'s pages to the pool and empty it (the slot can be reused)."""
+        """Return ``seq``'s pages to the pool and empty it (the slot can be reused); its
+        ``block_table`` row goes back to -1."""
+        self._check_seq(seq)
         self._free.extend(reversed(self._pages[seq]))
         self._pages[seq] = []
         self._lengths[seq] = 0
-        self.block_table[seq] = 0
+        self.block_table[seq] = NO_PAGE
         self.cache_seqlens[seq] = 0
 
     def gather(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``seq``'s keys and values as dense ``[length, num_kv_heads, head_dim]`` copies."""
+        self._check_seq(seq)
         pos = torch.arange(self._lengths[seq])
         pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size].to(self.k_pages.device)
         slots = (pos % self.page_size).to(self.k_pages.device)

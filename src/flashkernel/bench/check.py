@@ -4,7 +4,10 @@ Each case prints its max error, PyTorch's own max error in the same dtype
 (``reference.attention(..., upcast=False)``), their ratio, the LSE error and pass / fail under
 the rule of :mod:`flashkernel.bench.accuracy`. Cases: a fixed list of awkward shapes (lengths
 that are not tile multiples, ``seqlen_q != seqlen_k`` both ways, rows that see no key, GQA / MQA,
-odd head dims, fp32, a custom scale) plus seeded random ones.
+odd head dims, fp32, a custom scale) plus seeded random ones; packed sequences
+(``flash_attn_varlen_func``, empty ones included); and the variants (sliding window, softcap,
+ALiBi, sinks, and all four at once) in ``flash_attn_func``, ``flash_attn_varlen_func`` and
+``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,31 @@ from . import accuracy
 from .results import format_table
 
 LSE_RELATIVE_TOL = 5e-5
+VARIANTS = ("window", "softcap", "alibi", "sinks")
+ALL_VARIANTS = "+".join(VARIANTS)
+
+
+def variant_kwargs(variant: str, num_heads: int, device: str) -> dict:
+    """Keyword arguments of the variants named in ``variant`` (``"window+sinks"``; ``""`` for
+    none), with fresh random sinks."""
+    kwargs = {}
+    for name in filter(None, variant.split("+")):
+        if name == "window":
+            kwargs["window_size"] = (13, 4)  # causal calls use (13, 0)
+        elif name == "softcap":
+            kwargs["softcap"] = 2.5  # small enough to bend N(0, 1)-sized scores
+        elif name == "alibi":  # the ALiBi paper's geometric slopes 2^(-8 h / H)
+            exponents = torch.arange(1, num_heads + 1, dtype=torch.float32) * (-8.0 / num_heads)
+            kwargs["alibi_slopes"] = torch.pow(2.0, exponents).to(device)
+        elif name == "sinks":
+            kwargs["sinks"] = 2 * torch.randn(num_heads, dtype=torch.float32, device=device)
+        else:
+            raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+    return kwargs
+
+
+def _variant_label(variant: str) -> str:
+    return f" {variant}" if variant else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +62,30 @@ class DenseCase:
     dtype: str
     causal: bool
     softmax_scale: float | None = None
+    variant: str = ""
 
     def label(self) -> str:
         scale = f" scale={self.softmax_scale}" if self.softmax_scale is not None else ""
         return (f"{self.dtype} b={self.batch} sq={self.seqlen_q} sk={self.seqlen_k} h={self.heads}/{self.kv_heads} "
-                f"d={self.head_dim} {'causal' if self.causal else 'full'}{scale}")
+                f"d={self.head_dim} {'causal' if self.causal else 'full'}{scale}{_variant_label(self.variant)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenCase:
+    """Packed sequences: sequence ``b`` has ``seqlens_q[b]`` queries and ``seqlens_k[b]`` keys."""
+
+    seqlens_q: tuple
+    seqlens_k: tuple
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    variant: str = ""
+
+    def label(self) -> str:
+        return (f"{self.dtype} sq={list(self.seqlens_q)} sk={list(self.seqlens_k)} h={self.heads}/{self.kv_heads} "
+                f"d={self.head_dim} {'causal' if self.causal else 'full'}{_variant_label(self.variant)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +105,7 @@ class KVCacheCase:
     page_size: int = 0
     num_splits: int = 0
     causal: bool = True
+    variant: str = ""
 
     @property
     def batch(self) -> int:
@@ -69,7 +117,7 @@ class KVCacheCase:
         splits = f" splits={self.num_splits}" if self.num_splits else ""
         mask = "" if self.causal else " full"
         return (f"{self.dtype} lens={list(self.cache_seqlens)} sq={self.seqlen_q}{extra} "
-                f"h={self.heads}/{self.kv_heads} d={self.head_dim} {layout}{splits}{mask}")
+                f"h={self.heads}/{self.kv_heads} d={self.head_dim} {layout}{splits}{mask}{_variant_label(self.variant)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +186,55 @@ GPU_KVCACHE = [
     KVCacheCase((30000, 7), 30016, 1, True, 32, 8, 128, "bfloat16", page_size=256, num_splits=7),
     KVCacheCase((77, 5000), 5120, 3, True, 8, 2, 96, "float16", page_size=1, causal=False),
 ]
+# Variant lists start with all four variants at once: the one case a quick check keeps.
+CPU_DENSE_VARIANTS = [
+    DenseCase(2, 40, 47, 4, 2, 64, "float16", True, variant=ALL_VARIANTS),
+    DenseCase(1, 33, 33, 4, 2, 64, "float16", True, variant="window"),
+    DenseCase(1, 20, 45, 2, 1, 40, "bfloat16", False, variant="window"),
+    DenseCase(2, 17, 30, 4, 4, 64, "float16", False, variant="softcap"),
+    DenseCase(1, 31, 17, 4, 2, 32, "float32", True, variant="alibi"),
+    DenseCase(2, 25, 9, 4, 1, 64, "float16", True, variant="sinks"),
+]
+GPU_DENSE_VARIANTS = [
+    DenseCase(2, 1000, 1000, 8, 2, 128, "bfloat16", True, variant=ALL_VARIANTS),
+    DenseCase(1, 2049, 2049, 8, 2, 128, "bfloat16", True, variant="window"),
+    DenseCase(2, 300, 777, 4, 1, 64, "float16", False, variant="window"),
+    DenseCase(2, 513, 513, 8, 8, 256, "bfloat16", False, variant="softcap"),
+    DenseCase(1, 1000, 333, 4, 2, 96, "float16", True, variant="alibi"),
+    DenseCase(2, 700, 129, 8, 1, 128, "bfloat16", True, variant="sinks"),
+]
+CPU_VARLEN = [
+    VarlenCase((5, 0, 33, 17), (5, 12, 40, 17), 4, 2, 64, "float16", True),
+    VarlenCase((9, 31), (20, 1), 4, 1, 40, "bfloat16", False, variant=ALL_VARIANTS),
+    VarlenCase((1, 20, 3), (30, 20, 0), 2, 2, 8, "float32", False),
+    VarlenCase((17, 24), (33, 24), 4, 2, 64, "float16", True, variant="window"),
+    VarlenCase((12, 5), (20, 19), 4, 4, 32, "float16", False, variant="softcap"),
+    VarlenCase((7, 16), (30, 16), 4, 2, 64, "bfloat16", True, variant="alibi"),
+    VarlenCase((40, 3), (2, 30), 4, 1, 64, "float16", True, variant="sinks"),
+]
+GPU_VARLEN = [
+    VarlenCase((1, 1000, 0, 4097, 333), (1, 1000, 17, 4097, 2000), 32, 8, 128, "bfloat16", True),
+    VarlenCase((300, 2049), (777, 1), 8, 2, 64, "float16", False, variant=ALL_VARIANTS),
+    VarlenCase((1, 20, 3), (30, 20, 0), 4, 4, 8, "float32", False),
+    VarlenCase((2048, 1000), (2048, 1000), 8, 2, 128, "bfloat16", True, variant="window"),
+    VarlenCase((512, 65), (700, 65), 8, 8, 256, "bfloat16", False, variant="softcap"),
+    VarlenCase((129, 1023), (1000, 1023), 8, 2, 96, "float16", True, variant="alibi"),
+    VarlenCase((2000, 7), (100, 3000), 8, 1, 128, "bfloat16", True, variant="sinks"),
+]
+CPU_KVCACHE_VARIANTS = [
+    KVCacheCase((0, 17, 30), 48, 2, True, 4, 1, 32, "float16", page_size=16, variant=ALL_VARIANTS),
+    KVCacheCase((5, 40, 23), 48, 1, False, 4, 2, 64, "float16", variant="window", num_splits=3),
+    KVCacheCase((9, 30), 40, 2, True, 4, 2, 64, "bfloat16", page_size=8, variant="softcap"),
+    KVCacheCase((12, 3), 16, 3, True, 4, 4, 64, "float32", variant="alibi"),
+    KVCacheCase((0, 25), 32, 1, False, 4, 2, 64, "float16", page_size=4, variant="sinks"),
+]
+GPU_KVCACHE_VARIANTS = [
+    KVCacheCase((1, 1000, 4097, 333), 4160, 1, True, 32, 8, 128, "bfloat16", page_size=64, variant=ALL_VARIANTS),
+    KVCacheCase((30000, 7), 30016, 1, False, 32, 8, 128, "bfloat16", page_size=256, variant="window"),
+    KVCacheCase((0, 129, 2000), 2048, 4, True, 16, 4, 64, "float16", variant="softcap"),
+    KVCacheCase((77, 5000), 5120, 3, True, 8, 2, 96, "float16", page_size=16, variant="alibi"),
+    KVCacheCase((0, 300), 320, 1, False, 8, 8, 128, "bfloat16", variant="sinks", num_splits=4),
+]
 CPU_SERVING = [ServingCase((5, 33, 17), 2, 8, 4, 2, 32, "float16")]
 GPU_SERVING = [ServingCase((1000, 4097, 1), 3, 64, 32, 8, 128, "bfloat16")]
 CPU_LENGTHS = (1, 5, 17, 31, 33, 47)
@@ -168,7 +265,18 @@ def dense_cases(on_gpu: bool, quick: bool, random_count: int, seed: int) -> list
 
 def kvcache_cases(on_gpu: bool, quick: bool) -> list[KVCacheCase]:
     fixed = GPU_KVCACHE if on_gpu else CPU_KVCACHE
-    return fixed[:3] if quick else fixed
+    variants = GPU_KVCACHE_VARIANTS if on_gpu else CPU_KVCACHE_VARIANTS
+    return fixed[:3] + variants[:1] if quick else fixed + variants
+
+
+def dense_variant_cases(on_gpu: bool, quick: bool) -> list[DenseCase]:
+    fixed = GPU_DENSE_VARIANTS if on_gpu else CPU_DENSE_VARIANTS
+    return fixed[:1] if quick else fixed
+
+
+def varlen_cases(on_gpu: bool, quick: bool) -> list[VarlenCase]:
+    fixed = GPU_VARLEN if on_gpu else CPU_VARLEN
+    return fixed[:2] if quick else fixed
 
 
 # --- dense functions ---------------------------------------------------------------------------
@@ -197,24 +305,67 @@ def _row_from(function: str, label: str, acc: accuracy.Accuracy, lse_err: float,
     return CheckRow(function, label, acc.max_err, acc.torch_err, acc.ratio, lse_err, not problems, "; ".join(problems))
 
 
+def whole_truth(exact: torch.Tensor, same_dtype: torch.Tensor) -> accuracy.Truth:
+    """Truth on every row, from the reference's float64 and same-dtype outputs ``[B, Sq, H, D]``."""
+    windows = [accuracy.Window(b, 0, exact.shape[1]) for b in range(exact.shape[0])]
+    return accuracy.Truth(windows, [exact[b : b + 1] for b in range(exact.shape[0])],
+                          [same_dtype[b : b + 1] for b in range(exact.shape[0])])
+
+
 def check_dense(function: str, case: DenseCase, device: str) -> CheckRow:
-    """One call of ``flashkernel.<function>(q, k, v, causal=, softmax_scale=, return_lse=True)``."""
+    """One call of ``flashkernel.<function>(q, k, v, causal=, softmax_scale=, return_lse=True)``,
+    with the case's variant keywords."""
     import flashkernel
 
     dtype = getattr(torch, case.dtype)
     q = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, dtype=dtype, device=device)
     k = torch.randn(case.batch, case.seqlen_k, case.kv_heads, case.head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
+    variant = variant_kwargs(case.variant, case.heads, device)
+    common = dict(causal=case.causal, softmax_scale=case.softmax_scale, **variant)
     fn = getattr(flashkernel, function)
-    out, lse = fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, return_lse=True)
+    out, lse = fn(q, k, v, return_lse=True, **common)
     shape_problem = accuracy.wrong_shape(out, q.shape)
     if shape_problem:
         return CheckRow(function, case.label(), note=shape_problem)
-    truth = accuracy.dense_truth(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)
+    exact, truth_lse = reference.attention(q, k, v, **common)
+    if variant:
+        truth = whole_truth(exact, reference.attention(q, k, v, upcast=False, **common)[0])
+    else:  # row windows, so that large GPU shapes stay cheap
+        truth = accuracy.dense_truth(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)
     acc = accuracy.compare(out, truth)
-    _, truth_lse = reference.attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)
     lse_err, note = lse_error(lse, truth_lse)
     return _row_from(function, case.label(), acc, lse_err, note)
+
+
+# --- flash_attn_varlen_func --------------------------------------------------------------------
+
+
+def _cumulative(lengths: tuple, device: str) -> torch.Tensor:
+    """int32 ``[len(lengths) + 1]``: 0, then the running sums."""
+    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def check_varlen(case: VarlenCase, device: str) -> CheckRow:
+    """``flash_attn_varlen_func`` on packed ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]``."""
+    import flashkernel
+
+    dtype = getattr(torch, case.dtype)
+    q = torch.randn(sum(case.seqlens_q), case.heads, case.head_dim, dtype=dtype, device=device)
+    k = torch.randn(sum(case.seqlens_k), case.kv_heads, case.head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    cu_q, cu_k = _cumulative(case.seqlens_q, device), _cumulative(case.seqlens_k, device)
+    common = dict(causal=case.causal, **variant_kwargs(case.variant, case.heads, device))
+    out, lse = flashkernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(case.seqlens_q), max(case.seqlens_k),
+                                                  return_lse=True, **common)
+    shape_problem = accuracy.wrong_shape(out, q.shape)
+    if shape_problem:
+        return CheckRow("flash_attn_varlen_func", case.label(), note=shape_problem)
+    exact, truth_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, **common)
+    same_dtype, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, upcast=False, **common)
+    acc = accuracy.compare(out[None], whole_truth(exact[None], same_dtype[None]))
+    lse_err, note = lse_error(lse, truth_lse)
+    return _row_from("flash_attn_varlen_func", case.label(), acc, lse_err, note)
 
 
 # --- flash_attn_with_kvcache -------------------------------------------------------------------
@@ -244,10 +395,10 @@ def _kvcache_inputs(case: KVCacheCase, device: str) -> dict:
     return inputs
 
 
-def _kvcache_reference(inputs: dict, case: KVCacheCase, upcast: bool):
+def _kvcache_reference(inputs: dict, case: KVCacheCase, variant: dict, upcast: bool):
     return reference.attention_with_kvcache(
         inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], k=inputs["k"], v=inputs["v"],
-        block_table=inputs["block_table"], causal=case.causal, upcast=upcast,
+        block_table=inputs["block_table"], causal=case.causal, upcast=upcast, **variant,
     )
 
 
@@ -280,20 +431,18 @@ def check_kvcache(case: KVCacheCase, device: str) -> CheckRow:
 
     before = _kvcache_inputs(case, device)
     after = {**before, "k_cache": before["k_cache"].clone(), "v_cache": before["v_cache"].clone()}
+    variant = variant_kwargs(case.variant, case.heads, device)
     out, lse = flashkernel.flash_attn_with_kvcache(
         after["q"], after["k_cache"], after["v_cache"], k=after["k"], v=after["v"],
         cache_seqlens=after["cache_seqlens"], block_table=after["block_table"], causal=case.causal,
-        num_splits=case.num_splits, return_lse=True,
+        num_splits=case.num_splits, return_lse=True, **variant,
     )
     shape_problem = accuracy.wrong_shape(out, before["q"].shape)
     if shape_problem:
         return CheckRow("flash_attn_with_kvcache", case.label(), note=shape_problem)
-    exact, truth_lse = _kvcache_reference(before, case, upcast=True)
-    same_dtype, _ = _kvcache_reference(before, case, upcast=False)
-    windows = [accuracy.Window(b, 0, case.seqlen_q) for b in range(case.batch)]
-    truth = accuracy.Truth(windows, [exact[b : b + 1] for b in range(case.batch)],
-                           [same_dtype[b : b + 1] for b in range(case.batch)])
-    acc = accuracy.compare(out, truth)
+    exact, truth_lse = _kvcache_reference(before, case, variant, upcast=True)
+    same_dtype, _ = _kvcache_reference(before, case, variant, upcast=False)
+    acc = accuracy.compare(out, whole_truth(exact, same_dtype))
     lse_err, note = lse_error(lse, truth_lse)
     note = "; ".join(n for n in (note, _cache_update_note(before, after, case)) if n)
     return _row_from("flash_attn_with_kvcache", case.label(), acc, lse_err, note)
@@ -334,15 +483,16 @@ def check_serving(case: ServingCase, device: str) -> list[CheckRow]:
 # --- the sweep ---------------------------------------------------------------------------------
 
 DENSE_FUNCTIONS = ("flash_attn_func", "standard_attention")
-KVCACHE_FUNCTIONS = ("flash_attn_with_kvcache", "KVCache")
+NOT_CHECKED = {"reference"}  # the float64 truth everything else is checked against
 
 
-def unchecked_public_names() -> list[str]:
-    """Public names of flashkernel with no check here (reported, so new functions are not forgotten)."""
+def unchecked_public_names(device: str = "cpu") -> list[str]:
+    """Public names of flashkernel that no planned check calls (reported, so that a new
+    function is not forgotten)."""
     import flashkernel
 
-    covered = set(DENSE_FUNCTIONS) | set(KVCACHE_FUNCTIONS) | {"reference"}
-    return [name for name in getattr(flashkernel, "__all__", []) if name not in covered]
+    planned = {function for function, _, _ in planned_checks(device, quick=False, random_count=0, seed=0)}
+    return [name for name in getattr(flashkernel, "__all__", []) if name not in planned | NOT_CHECKED]
 
 
 def _guarded(function: str, label: str, run) -> list[CheckRow]:
@@ -364,6 +514,12 @@ def planned_checks(device: str, quick: bool, random_count: int, seed: int) -> li
         if hasattr(flashkernel, function):
             for case in dense_cases(on_gpu, quick, random_count, seed):
                 plan.append((function, case.label(), lambda f=function, c=case: check_dense(f, c, device)))
+    if hasattr(flashkernel, "flash_attn_func"):
+        for case in dense_variant_cases(on_gpu, quick):
+            plan.append(("flash_attn_func", case.label(), lambda c=case: check_dense("flash_attn_func", c, device)))
+    if hasattr(flashkernel, "flash_attn_varlen_func"):
+        for case in varlen_cases(on_gpu, quick):
+            plan.append(("flash_attn_varlen_func", case.label(), lambda c=case: check_varlen(c, device)))
     if hasattr(flashkernel, "flash_attn_with_kvcache"):
         for case in kvcache_cases(on_gpu, quick):
             plan.append(("flash_attn_with_kvcache", case.label(), lambda c=case: check_kvcache(c, device)))

@@ -467,7 +467,10 @@ def _append_kernel(
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = ok & (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+    # A slot that cannot be placed gets no valid head. (Not ``ok & block_mask``: Triton 3.9's
+    # interpreter splats a scalar comparison as int32 and then rejects it as a mask.)
+    heads_to_write = tl.where(ok, num_kv_heads, 0)
+    mask = (heads[:, None] < heads_to_write) & (offs_d[None, :] < HEAD_DIM)
     heads = heads.to(tl.int64)
     token = token.to(tl.int64)
     k = tl.load(KNew + batch * stride_nkb + token * stride_nkt + heads[:, None] * stride_nkh
