@@ -12,8 +12,8 @@ import pytest
 import flashkernel
 
 PACKAGE_ROOT = str(Path(flashkernel.__file__).resolve().parents[1])
-API = ("KVCache", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "reference",
-       "standard_attention")
+API = ("DecodePlan", "KVCache", "VarlenPlan", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+       "reference", "standard_attention")
 
 
 def run_python(code: str, **env) -> str:

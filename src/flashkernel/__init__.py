@@ -10,6 +10,8 @@ Public API:
     flash_attn_varlen_func   the same over packed sequences (``cu_seqlens``), no padding
     flash_attn_with_kvcache  decode: append new k/v to a contiguous or paged KV cache, attend
     KVCache                  a paged KV cache's bookkeeping (pages, block table, lengths)
+    DecodePlan               one decode step planned once (lengths, pages, shapes), run per layer
+    VarlenPlan               one packed batch planned once (cu_seqlens), run per layer
     standard_attention       the textbook three kernels (QK^T, softmax, PV), a baseline
     reference                float64 attention with every variant's semantics: the spec
 
