@@ -38,8 +38,9 @@ GQA group is split over several programs (few key tiles per KV head, e.g. MQA at
 lengths), each part writes its own float32 slice and a fixed-order ``torch.sum`` adds them,
 which is deterministic too.
 
-Rows that see no key have ``lse = -inf``: the kernels treat it as ``+inf`` so every ``P`` of
-the row is 0 (no ``-inf - -inf`` NaN), and the row gets zero gradients.
+Rows that see no key have ``lse = -inf`` and every pair of theirs masked, so they get zero
+gradients; the kernels also read such an LSE (and rows past the end) as ``+inf``, so ``P`` is 0
+for them even where no mask is applied.
 """
 
 from __future__ import annotations
@@ -184,6 +185,40 @@ def _load_row_stats(lse_base, delta_base, rows, seqlen_q, MASKED: tl.constexpr):
     return lse, delta
 
 
+@triton.jit
+def _load_pair(a_base, b_base, row0, num_rows, stride_a, stride_b, offs_r, offs_d,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    """Rows ``row0 + offs_r`` of two ``[num_rows, HEAD_DIM]`` matrices (q and dO, or k and v),
+    zero outside them with ``MASKED``, upcast to fp32 with ``DOT_F32``."""
+    a = _load_tile(a_base, row0, num_rows, stride_a, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, MASKED)
+    b = _load_tile(b_base, row0, num_rows, stride_b, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, MASKED)
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _program_sequence(CuSeqlensA, CuSeqlensB, num_seqs, length_a, length_b,
+                      BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """``(batch, tile, start_a, length_a, start_b, length_b)`` of this program: its tile along
+    the tiled side ``a`` (queries for dQ, keys for dK/dV) and its sequence. Dense: grid axes 0
+    and 2, starts 0. Packed: the flat tile ``program_id(0)`` over all sequences (``length_*``
+    arrive as the totals; see ``prefill._varlen_tile``)."""
+    if IS_VARLEN:
+        batch, tile, start_a, length_a, start_b, length_b = _varlen_tile(
+            CuSeqlensA, CuSeqlensB, tl.program_id(0), num_seqs, length_a, length_b, BLOCK, BLOCK_B)
+        batch = batch.to(tl.int64)
+        start_a = start_a.to(tl.int64)
+        start_b = start_b.to(tl.int64)
+    else:
+        batch = tl.program_id(2).to(tl.int64)
+        tile = tl.program_id(0)
+        start_a = 0
+        start_b = 0
+    return batch, tile, start_a, length_a, start_b, length_b
+
+
 # --------------------------------------------------------------------------------------------
 # 1. delta = rowsum(dO * out), and the sinks' partial gradients
 # --------------------------------------------------------------------------------------------
@@ -247,11 +282,8 @@ def _dkdv_step(
     """
     offs_r = tl.arange(0, BLOCK_M)
     rows = start_m + offs_r
-    q = _load_tile(q_base, start_m, seqlen_q, stride_qs, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, MASKED)
-    do = _load_tile(do_base, start_m, seqlen_q, stride_dos, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, MASKED)
-    if DOT_F32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q, do = _load_pair(q_base, do_base, start_m, seqlen_q, stride_qs, stride_dos, offs_r, offs_d,
+                       HEAD_DIM, BLOCK_D, MASKED, DOT_F32)
     lse, delta = _load_row_stats(lse_base, delta_base, rows, seqlen_q, MASKED)
 
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [keys, rows]
@@ -297,17 +329,8 @@ def _dkdv_kernel(
     onwards (``heads_per_program`` of them) and writes slice ``p`` of ``DK``/``DV`` (stride
     ``stride_dkp``/``stride_dvp``; 0 when the group is not split).
     """
-    if IS_VARLEN:
-        batch, n_tile, start_k, seqlen_k, start_q, seqlen_q = _varlen_tile(
-            CuSeqlensK, CuSeqlensQ, tl.program_id(0), num_seqs, seqlen_k, seqlen_q, BLOCK_N, BLOCK_B)
-        batch = batch.to(tl.int64)
-        start_q = start_q.to(tl.int64)
-        start_k = start_k.to(tl.int64)
-    else:
-        n_tile = tl.program_id(0)
-        batch = tl.program_id(2).to(tl.int64)
-        start_q = 0
-        start_k = 0
+    batch, n_tile, start_k, seqlen_k, start_q, seqlen_q = _program_sequence(
+        CuSeqlensK, CuSeqlensQ, num_seqs, seqlen_k, seqlen_q, BLOCK_N, BLOCK_B, IS_VARLEN)
     parts = group_size // heads_per_program
     kv_head = tl.program_id(1) // parts
     part = tl.program_id(1) % parts
@@ -320,11 +343,8 @@ def _dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     k_base = K + batch * stride_kb + start_k * stride_ks + kv_head * stride_kh
     v_base = V + batch * stride_vb + start_k * stride_vs + kv_head * stride_vh
-    k = _load_tile(k_base, start_n, seqlen_k, stride_ks, offs_k, offs_d, HEAD_DIM, BLOCK_D, False, True)
-    v = _load_tile(v_base, start_n, seqlen_k, stride_vs, offs_k, offs_d, HEAD_DIM, BLOCK_D, False, True)
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _load_pair(k_base, v_base, start_n, seqlen_k, stride_ks, stride_vs, offs_k, offs_d,
+                      HEAD_DIM, BLOCK_D, True, DOT_F32)
 
     # Query tiles that see some key of this tile, [lo, hi), and those whose every row sees every
     # key, [mid_lo, mid_hi): the forward's spans with rows and keys swapped (a key j "at
@@ -404,11 +424,8 @@ def _dq_step(
     infinite ``dS``)."""
     offs_k = tl.arange(0, BLOCK_N)
     keys = start_n + offs_k
-    k = _load_tile(k_base, start_n, seqlen_k, stride_ks, offs_k, offs_d, HEAD_DIM, BLOCK_D, False, MASKED)
-    v = _load_tile(v_base, start_n, seqlen_k, stride_vs, offs_k, offs_d, HEAD_DIM, BLOCK_D, False, MASKED)
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _load_pair(k_base, v_base, start_n, seqlen_k, stride_ks, stride_vs, offs_k, offs_d,
+                      HEAD_DIM, BLOCK_D, MASKED, DOT_F32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, keys]
     if HAS_SOFTCAP or HAS_ALIBI:
         s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
@@ -443,21 +460,10 @@ def _dq_kernel(
 ):
     """Grid ``(query tiles, Hq, B)`` dense, ``(query tile bound, Hq, 1)`` packed; with a mask
     the tiles with the most keys are issued first."""
-    if IS_VARLEN:
-        batch, m_tile, start_q, seqlen_q, start_k, seqlen_k = _varlen_tile(
-            CuSeqlensQ, CuSeqlensK, tl.program_id(0), num_seqs, seqlen_q, seqlen_k, BLOCK_M, BLOCK_B)
-        if CAUSAL or HAS_WINDOW:
-            m_tile = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M) - 1 - m_tile, 0)
-        batch = batch.to(tl.int64)
-        start_q = start_q.to(tl.int64)
-        start_k = start_k.to(tl.int64)
-    else:
-        m_tile = tl.program_id(0)
-        if CAUSAL or HAS_WINDOW:
-            m_tile = tl.cdiv(seqlen_q, BLOCK_M) - 1 - m_tile
-        batch = tl.program_id(2).to(tl.int64)
-        start_q = 0
-        start_k = 0
+    batch, m_tile, start_q, seqlen_q, start_k, seqlen_k = _program_sequence(
+        CuSeqlensQ, CuSeqlensK, num_seqs, seqlen_q, seqlen_k, BLOCK_M, BLOCK_B, IS_VARLEN)
+    if CAUSAL or HAS_WINDOW:  # programs past the last tile (packed) clamp to 0 and store nothing
+        m_tile = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M) - 1 - m_tile, 0)
     head = tl.program_id(1)
     kv_head = (head // group_size).to(tl.int64)
     head = head.to(tl.int64)
@@ -470,11 +476,8 @@ def _dq_kernel(
     do_base = DOut + batch * stride_dob + start_q * stride_dos + head * stride_doh
     k_base = K + batch * stride_kb + start_k * stride_ks + kv_head * stride_kh
     v_base = V + batch * stride_vb + start_k * stride_vs + kv_head * stride_vh
-    q = _load_tile(q_base, first_row, seqlen_q, stride_qs, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, True)
-    do = _load_tile(do_base, first_row, seqlen_q, stride_dos, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, True)
-    if DOT_F32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q, do = _load_pair(q_base, do_base, first_row, seqlen_q, stride_qs, stride_dos, offs_r, offs_d,
+                       HEAD_DIM, BLOCK_D, True, DOT_F32)
     lse, delta = _load_row_stats(Lse + batch * stride_lb + head * stride_lh + start_q,
                                  Delta + batch * stride_eb + head * stride_eh + start_q, rows, seqlen_q, True)
     if HAS_ALIBI:
