@@ -24,13 +24,15 @@ Three launches:
 2. ``_dkdv_kernel``: one program per (key tile, KV head or part of its query-head group,
    batch). It keeps its K/V tile and the dK/dV accumulators (float32) on chip and walks the
    query heads of its GQA group and, for each, the query tiles that can see its keys: tiles the
-   causal mask or window hides entirely are never visited, tiles every row of which sees every
-   key run without masks, and only boundary tiles pay for them (``window_span`` /
-   ``unmasked_run`` of ``_softmax``, mirrored: the roles of rows and keys swap). It works on
-   transposed tiles (``S^T = K Q^T``), so ``P^T`` and ``dS^T`` are the left operands of their
-   products and nothing in registers is transposed.
+   causal mask or window hides entirely are never visited (``window_span`` of ``_softmax``,
+   mirrored: the roles of rows and keys swap), and only the tiles ``unmasked_run`` does not
+   clear compute a mask. That choice is a runtime flag inside one loop rather than separate
+   masked and unmasked loops: each extra loop kept its own pipelined copies of the tiles live
+   and the kernel spilled registers (ptxas, sm_90a). It works on transposed tiles
+   (``S^T = K Q^T``), so ``P^T`` and ``dS^T`` are the left operands of their products and
+   nothing in registers is transposed.
 3. ``_dq_kernel``: one program per (query tile, query head, batch) over the key tiles it sees,
-   like the forward.
+   like the forward, with the same one-loop masking.
 
 No float atomics anywhere: every gradient element is written by exactly one program, so the
 results are bitwise reproducible run to run and ``deterministic=True`` costs nothing. When a
@@ -84,24 +86,27 @@ class BackwardConfig:
     group_split: int | None = None
 
 
-# Written for Hopper (H200) with bf16/fp16: wgmma wants 64-row multiples per warpgroup. The
-# dK/dV program holds two float32 accumulators of [block_n, head_dim] (dK and dV) plus P^T and
-# dP^T of [block_n, block_m]; at head dim 256 that forces smaller tiles. Starting points, to be
-# tuned on the GPU.
+# Written for Hopper (H200) with bf16/fp16, checked offline with ptxas for sm_90a (no register
+# spills in the plain and causal kernels; tile shapes and the reasons below), to be timed and
+# tuned on the GPU. The dK/dV program holds two float32 accumulators [block_n, head_dim] (dK,
+# dV: 128 registers per thread at 128 x 128 over 8 warps) plus the transposed score tiles
+# [block_n, block_m]; so block_m shrinks as the head dim grows. With 8 warps the key tile must be
+# 128 long: wgmma gives each warp 16 rows, and a 64-key tile would be computed twice.
 CONFIGS = {
-    16: BackwardConfig(TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3), 128),
-    32: BackwardConfig(TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3), 128),
-    64: BackwardConfig(TileConfig(64, 128, 8, 3), TileConfig(128, 64, 8, 3), 128),
-    128: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 2), 64),
-    256: BackwardConfig(TileConfig(32, 64, 8, 2), TileConfig(64, 32, 8, 2), 32),
+    16: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
+    32: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
+    64: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
+    128: BackwardConfig(TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2), 64),
+    256: BackwardConfig(TileConfig(16, 64, 8, 1), TileConfig(128, 32, 8, 2), 32),
 }
-# fp32 tiles are twice as large in shared memory and use exact fp32 ("ieee") products.
+# fp32 runs exact fp32 ("ieee") products on the FMA units: registers, not shared memory, bound
+# the tiles (these spill at most a few bytes at sm_90a).
 FLOAT32_CONFIGS = {
-    16: BackwardConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 32, 4, 2), 64),
-    32: BackwardConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 32, 4, 2), 64),
-    64: BackwardConfig(TileConfig(32, 64, 4, 2), TileConfig(64, 32, 4, 2), 64),
-    128: BackwardConfig(TileConfig(32, 64, 4, 1), TileConfig(64, 32, 4, 1), 32),
-    256: BackwardConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1), 16),
+    16: BackwardConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 32, 4, 1), 64),
+    32: BackwardConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 32, 4, 1), 64),
+    64: BackwardConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 32, 4, 1), 64),
+    128: BackwardConfig(TileConfig(16, 32, 4, 1), TileConfig(32, 16, 4, 1), 32),
+    256: BackwardConfig(TileConfig(16, 32, 4, 1), TileConfig(32, 16, 4, 1), 16),
 }
 # The interpreter runs a tile as numpy arrays: few large tiles are faster than many small ones.
 INTERPRETER_CONFIG = BackwardConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1), 32, 1)
@@ -265,26 +270,27 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, keys, offs_d,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, masked, keys, offs_d,
     seqlen_q, stride_qs, stride_dos, causal_shift, qk_scale,
     window_left, window_right, softcap_in, softcap_out, alibi_keys,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add one query tile's contribution (rows ``start_m + [0, BLOCK_M)``) to ``dk, dv
     [BLOCK_N, BLOCK_D]``, on transposed tiles ``[keys, rows]``.
 
-    With ``MASKED`` the tile may hold rows past ``seqlen_q`` (their ``lse`` is ``+inf``, so
-    ``P = 0``) and pairs outside the causal range or window. Keys past ``seqlen_k`` are not
-    masked: each key's dK/dV row depends on that key's scores only, and those rows are not
-    stored.
+    ``masked`` (a runtime flag, uniform over the program) says the tile may hold pairs outside
+    the causal range or window; only then is the mask computed. Any tile may hold rows past
+    ``seqlen_q``: their loads are masked (zero ``q``, ``dO``, ``delta`` and ``lse = +inf``, so
+    ``P = 0``). Keys past ``seqlen_k`` are not masked: each key's dK/dV row depends on that
+    key's scores only, and those rows are not stored.
     """
     offs_r = tl.arange(0, BLOCK_M)
     rows = start_m + offs_r
     q, do = _load_pair(q_base, do_base, start_m, seqlen_q, stride_qs, stride_dos, offs_r, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED, DOT_F32)
-    lse, delta = _load_row_stats(lse_base, delta_base, rows, seqlen_q, MASKED)
+                       HEAD_DIM, BLOCK_D, True, DOT_F32)
+    lse, delta = _load_row_stats(lse_base, delta_base, rows, seqlen_q, True)
 
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [keys, rows]
     row_pos = rows + causal_shift
@@ -295,8 +301,9 @@ def _dkdv_step(
     else:
         s_t = qk_t * qk_scale
     p_t = tl.math.exp2(s_t - lse[None, :])
-    if MASKED and (CAUSAL or HAS_WINDOW):
-        p_t = tl.where(_visible_queries(keys, row_pos, window_left, window_right, CAUSAL, HAS_WINDOW), p_t, 0.0)
+    if CAUSAL or HAS_WINDOW:
+        if masked:
+            p_t = tl.where(_visible_queries(keys, row_pos, window_left, window_right, CAUSAL, HAS_WINDOW), p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -355,6 +362,10 @@ def _dkdv_kernel(
     last_key = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1 - causal_shift
     lo, hi = window_span(first_key, last_key, seqlen_q, right, left, BLOCK_M)
     mid_lo, mid_hi = unmasked_run(lo, hi, first_key, last_key, right, left, BLOCK_M)
+    if not HAS_WINDOW:
+        # Every row past mid_lo sees every key here: no mask up to the end, the last tile
+        # partial (rows past seqlen_q are masked in the loads).
+        mid_hi = hi
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -369,26 +380,13 @@ def _dkdv_kernel(
             alibi_keys = tl.zeros([BLOCK_N], dtype=tl.float32) + slope * 1.4426950408889634
         else:
             alibi_keys = 0.0
-        for start_m in range(lo, mid_lo, BLOCK_M):
+        for start_m in tl.range(lo, hi, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, keys, offs_d,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m,
+                (start_m < mid_lo) | (start_m >= mid_hi), keys, offs_d,
                 seqlen_q, stride_qs, stride_dos, causal_shift, qk_scale,
                 window_left, window_right, softcap_in, softcap_out, alibi_keys,
-                HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                DOT_F32, DOT_PRECISION)
-        for start_m in tl.range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, keys, offs_d,
-                seqlen_q, stride_qs, stride_dos, causal_shift, qk_scale,
-                window_left, window_right, softcap_in, softcap_out, alibi_keys,
-                HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                DOT_F32, DOT_PRECISION)
-        for start_m in range(mid_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, keys, offs_d,
-                seqlen_q, stride_qs, stride_dos, causal_shift, qk_scale,
-                window_left, window_right, softcap_in, softcap_out, alibi_keys,
-                HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                 DOT_F32, DOT_PRECISION)
 
     dk = dk * sm_scale
@@ -411,21 +409,21 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse, delta, k_base, v_base, start_n, row_pos, offs_d,
+    dq, q, do, lse, delta, k_base, v_base, start_n, masked, row_pos, offs_d,
     seqlen_k, stride_ks, stride_vs, qk_scale,
     window_left, window_right, softcap_in, softcap_out, alibi_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add one key tile's contribution (keys ``start_n + [0, BLOCK_N)``) to ``dq [BLOCK_M,
-    BLOCK_D]``. With ``MASKED`` the tile may hold keys past ``seqlen_k`` or outside a row's
-    causal range or window; those are masked (a missing key's zero row must not meet an
-    infinite ``dS``)."""
+    BLOCK_D]``. ``masked`` (runtime, uniform over the program) says the tile may hold keys past
+    ``seqlen_k`` (loaded as zeros) or outside a row's causal range or window; only then is the
+    mask computed (a missing key's zero row must not meet an infinite ``dS``)."""
     offs_k = tl.arange(0, BLOCK_N)
     keys = start_n + offs_k
     k, v = _load_pair(k_base, v_base, start_n, seqlen_k, stride_ks, stride_vs, offs_k, offs_d,
-                      HEAD_DIM, BLOCK_D, MASKED, DOT_F32)
+                      HEAD_DIM, BLOCK_D, True, DOT_F32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, keys]
     if HAS_SOFTCAP or HAS_ALIBI:
         s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
@@ -433,7 +431,7 @@ def _dq_step(
     else:
         s = qk * qk_scale
     p = tl.math.exp2(s - lse[:, None])
-    if MASKED:
+    if masked:
         p = tl.where(visible_keys(row_pos, keys, seqlen_k, window_left, window_right, CAUSAL, HAS_WINDOW), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
@@ -495,23 +493,12 @@ def _dq_kernel(
     mid_lo, mid_hi = unmasked_run(lo, hi, first_pos, last_pos, left, right, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, mid_lo, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, start_n, row_pos, offs_d,
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, start_n,
+                      (start_n < mid_lo) | (start_n >= mid_hi), row_pos, offs_d,
                       seqlen_k, stride_ks, stride_vs, qk_scale,
                       window_left, window_right, softcap_in, softcap_out, alibi_rows,
-                      HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_F32, DOT_PRECISION)
-    for start_n in tl.range(mid_lo, mid_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, start_n, row_pos, offs_d,
-                      seqlen_k, stride_ks, stride_vs, qk_scale,
-                      window_left, window_right, softcap_in, softcap_out, alibi_rows,
-                      HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_F32, DOT_PRECISION)
-    for start_n in range(mid_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, start_n, row_pos, offs_d,
-                      seqlen_k, stride_ks, stride_vs, qk_scale,
-                      window_left, window_right, softcap_in, softcap_out, alibi_rows,
-                      HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                      HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                       DOT_F32, DOT_PRECISION)
 
     dq = dq * sm_scale
