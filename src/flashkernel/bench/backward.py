@@ -20,6 +20,10 @@ FLOPs: backward = 2.5 x forward, forward = ``4 * B * H * S * S * D``, halved whe
 from SDPA's flash backend, relative to the largest gradient, as a sanity check.
 
 Run: ``PYTHONPATH=src python -m flashkernel.bench.backward [--out results.json]``.
+
+``--compile-check`` instead compiles the backward kernels for sm_90a at the tile table's
+configurations (no GPU needed: Triton's bundled ptxas) and reports registers, spills, shared
+memory and wgmma counts (``tests/test_backward_compile.py`` runs it).
 """
 
 from __future__ import annotations
@@ -207,6 +211,102 @@ def run_backward_bench(shapes=DEFAULT_SHAPES, out_path: str | Path | None = None
     return doc
 
 
+# ---- compile check: the kernels as ptxas sees them for sm_90a (no GPU needed) --------------------
+
+COMPILE_DTYPES = ("bfloat16", "float16")
+# Bytes of spills accepted per head dim: at 256 the dK/dV accumulators alone take 128 registers
+# per thread, and the least-spilling tile shape tried spills 8 bytes in the causal kernel.
+SPILL_ALLOWANCE = {256: 16}
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """One specialization of a backward kernel at the tile table's configuration."""
+
+    kernel: str  # "dkdv" or "dq"
+    dtype: str
+    head_dim: int
+    causal: bool
+
+
+def _kernel_values(spec: CompileSpec):
+    """``(kernel, values, num_warps, num_stages)`` for ``compile_check.compile_triton``: the
+    argument types and constexprs a dense launch of ``spec`` passes."""
+    from flashkernel.kernels import backward as bw
+    from flashkernel.kernels._common import padded_head_dim
+
+    ty = TRITON_TYPES[spec.dtype]
+    table = bw.FLOAT32_CONFIGS if spec.dtype == "float32" else bw.CONFIGS
+    config = table[padded_head_dim(spec.head_dim)]
+    tile = config.dkdv if spec.kernel == "dkdv" else config.dq
+    rows, stat = ("i32",) * 3, ("i32",) * 2
+    values = dict(Q=f"*{ty}", K=f"*{ty}", V=f"*{ty}", DOut=f"*{ty}", Lse="*fp32", Delta="*fp32",
+                  CuSeqlensQ="*i32", CuSeqlensK="*i32", Slopes="*fp32",
+                  q_strides=rows, k_strides=rows, v_strides=rows, do_strides=rows, lse_strides=stat,
+                  delta_strides=stat, alibi_strides=stat,
+                  qk_scale="fp32", sm_scale="fp32", softcap_in="fp32", softcap_out="fp32",
+                  HEAD_DIM=spec.head_dim, BLOCK_D=padded_head_dim(spec.head_dim), BLOCK_M=tile.block_m,
+                  BLOCK_N=tile.block_n, CAUSAL=spec.causal, HAS_WINDOW=False, HAS_SOFTCAP=False,
+                  HAS_ALIBI=False, IS_VARLEN=False, BLOCK_B=1, DOT_F32=False,
+                  DOT_PRECISION="ieee" if spec.dtype == "float32" else "tf32")
+    if spec.kernel == "dkdv":
+        values.update(DK=f"*{ty}", DV=f"*{ty}", dk_strides=("i32",) * 4, dv_strides=("i32",) * 4)
+        kernel = bw._dkdv_kernel
+    else:
+        values.update(DQ=f"*{ty}", dq_strides=rows)
+        kernel = bw._dq_kernel
+    return kernel, values, tile.num_warps, tile.num_stages
+
+
+def compile_report(spec: CompileSpec) -> dict:
+    """Compile ``spec`` for sm_90a and report ptxas's registers and spills, the wgmma count of
+    the PTX, and the problems: ptxas failing, spills beyond :data:`SPILL_ALLOWANCE`, no wgmma at
+    16-bit dtypes."""
+    from . import compile_check as cc
+
+    kernel, values, num_warps, num_stages = _kernel_values(spec)
+    compiled = cc.compile_triton(kernel, values, num_warps, num_stages)
+    ptx = compiled.asm["ptx"]
+    report = {**dataclasses.asdict(spec), **cc.ptxas_report(ptx, sass=False),
+              "wgmma": ptx.count("wgmma.mma_async"), "shared_bytes": compiled.metadata.shared}
+    problems = []
+    if not report["ptxas_ok"]:
+        problems.append("ptxas failed")
+    if max(report["spill_stores"] or 0, report["spill_loads"] or 0) > SPILL_ALLOWANCE.get(spec.head_dim, 0):
+        problems.append(f"spills {report['spill_stores']} B")
+    if spec.dtype != "float32" and not report["wgmma"]:
+        problems.append("no wgmma")
+    report["problems"] = problems
+    return report
+
+
+def compile_specs(dtypes=COMPILE_DTYPES, head_dims=(64, 128, 256)) -> list[CompileSpec]:
+    """The plain and causal dK/dV and dQ kernels at the table's configuration."""
+    return [CompileSpec(kernel, dtype, head_dim, causal) for kernel in ("dkdv", "dq") for dtype in dtypes
+            for head_dim in head_dims for causal in (False, True)]
+
+
+def compile_in_child(specs, timeout: float = 900) -> list[dict]:
+    """:func:`compile_report` of each spec in a fresh Python without ``TRITON_INTERPRET`` (the
+    kernels cannot be compiled where the interpreter is on)."""
+    import os
+    import subprocess
+    import tempfile
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        request, reply = Path(tmp) / "specs.json", Path(tmp) / "reports.json"
+        request.write_text(json.dumps([dataclasses.asdict(s) for s in specs]))
+        result = subprocess.run([sys.executable, "-m", "flashkernel.bench.backward", "--compile-specs", str(request),
+                                 "--out", str(reply)], env=env, capture_output=True, text=True, timeout=timeout)
+        if not reply.exists():
+            raise RuntimeError(f"the compile child failed (rc {result.returncode}): {result.stderr[-3000:]}")
+        return json.loads(reply.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m flashkernel.bench.backward", description=__doc__.split("\n")[0])
@@ -215,7 +315,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--masks", choices=["none", "causal"], nargs="+", default=["none", "causal"])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--rep-ms", type=int, default=500)
+    parser.add_argument("--compile-check", action="store_true",
+                        help="compile the kernels for sm_90a (no GPU needed) and report registers and spills")
+    parser.add_argument("--compile-specs", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.compile_check or args.compile_specs:
+        specs = (compile_specs(head_dims=args.head_dims) if args.compile_specs is None
+                 else [CompileSpec(**fields) for fields in json.loads(args.compile_specs.read_text())])
+        reports = [compile_report(spec) for spec in specs]
+        for r in reports:
+            print(f"{r['kernel']:5s} {r['dtype']:9s} d{r['head_dim']:<4d} {'causal' if r['causal'] else 'none':6s} "
+                  f"regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} B wgmma {r['wgmma']} "
+                  f"smem {r['shared_bytes']} {'; '.join(r['problems']) or 'ok'}", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(reports, indent=1) + "\n")
+        return 1 if any(r["problems"] for r in reports) else 0
     shapes = [(d, mask == "causal", s) for d in args.head_dims for mask in args.masks for s in args.seqlens]
     run_backward_bench(shapes, args.out, rep_ms=args.rep_ms, argv=argv)
     return 0

@@ -55,10 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cuda_properties, dot_flags, is_interpreted, padded_head_dim
-from ._launch import Launcher
+from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
+from ._launch import Launcher, allocate
 from ._softmax import Variant, modified_scores, unmasked_run, visible_keys, window_span
-from .prefill import MAX_GRID_YZ, MAX_VARLEN_SEQS, _load_tile, _varlen_tile
+from .prefill import MAX_GRID_YZ, MAX_VARLEN_SEQS, _load_tile, _strides3, _varlen_tile
 from .tuning import TileConfig
 
 LOG2E = math.log2(math.e)
@@ -86,9 +86,10 @@ class BackwardConfig:
     group_split: int | None = None
 
 
-# Written for Hopper (H200) with bf16/fp16, checked offline with ptxas for sm_90a (no register
-# spills in the plain and causal kernels; tile shapes and the reasons below), to be timed and
-# tuned on the GPU. The dK/dV program holds two float32 accumulators [block_n, head_dim] (dK,
+# Written for Hopper (H200) with bf16/fp16, checked offline with ptxas for sm_90a
+# (``python -m flashkernel.bench.backward --compile-check``: no register spills in the plain and
+# causal kernels but 8 bytes in the causal dK/dV kernel at head dim 256, the least of the shapes
+# tried), to be timed and tuned on the GPU. The dK/dV program holds two float32 accumulators [block_n, head_dim] (dK,
 # dV: 128 registers per thread at 128 x 128 over 8 warps) plus the transposed score tiles
 # [block_n, block_m]; so block_m shrinks as the head dim grows. With 8 warps the key tile must be
 # 128 long: wgmma gives each warp 16 rows, and a 64-key tile would be computed twice.
@@ -97,7 +98,7 @@ CONFIGS = {
     32: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
     64: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
     128: BackwardConfig(TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2), 64),
-    256: BackwardConfig(TileConfig(16, 64, 8, 1), TileConfig(128, 32, 8, 2), 32),
+    256: BackwardConfig(TileConfig(16, 64, 8, 2), TileConfig(128, 32, 8, 2), 32),
 }
 # fp32 runs exact fp32 ("ieee") products on the FMA units: registers, not shared memory, bound
 # the tiles (these spill at most a few bytes at sm_90a).
@@ -232,35 +233,71 @@ def _program_sequence(CuSeqlensA, CuSeqlensB, num_seqs, length_a, length_b,
 @triton.jit(do_not_specialize=["seqlen"])
 def _delta_kernel(
     Out, DOut, Lse, Delta, Sinks, DSinkParts,
-    stride_ob, stride_os, stride_oh,
-    stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_lh, stride_eb, stride_eh, stride_sh,
+    o_strides, do_strides, lse_strides, delta_strides, parts_strides, sink_stride,
     seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid ``(row tiles, Hq, B)`` (packed sequences: ``B = 1``, ``seqlen = total_q``, batch
-    strides 0). ``DSinkParts [B, Hq, row tiles]`` gets ``-sum_i exp(sink - lse_i) delta_i``
-    of each program's rows."""
+    strides 0). ``*_strides``: ``(batch, row, head)`` of ``out``/``dO``, ``(batch, head)`` of
+    ``lse``/``delta``, ``(head, batch)`` of ``DSinkParts [Hq, B, row tiles]``, which gets
+    ``-sum_i exp(sink - lse_i) delta_i`` of each program's rows."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    o_ptrs = Out + batch * stride_ob + head * stride_oh + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :]
-    do_ptrs = DOut + batch * stride_dob + head * stride_doh + rows[:, None].to(tl.int64) * stride_dos + offs_d[None, :]
+    o_ptrs = (Out + batch * o_strides[0] + head * o_strides[2] + rows[:, None].to(tl.int64) * o_strides[1]
+              + offs_d[None, :])
+    do_ptrs = (DOut + batch * do_strides[0] + head * do_strides[2] + rows[:, None].to(tl.int64) * do_strides[1]
+               + offs_d[None, :])
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
-    tl.store(Delta + batch * stride_eb + head * stride_eh + rows, delta, mask=rows < seqlen)
+    tl.store(Delta + batch * delta_strides[0] + head * delta_strides[1] + rows, delta, mask=rows < seqlen)
     if HAS_SINKS:
-        lse = tl.load(Lse + batch * stride_lb + head * stride_lh + rows, mask=rows < seqlen, other=float("-inf"))
-        sink = tl.load(Sinks + head * stride_sh)
+        lse = tl.load(Lse + batch * lse_strides[0] + head * lse_strides[1] + rows, mask=rows < seqlen,
+                      other=float("-inf"))
+        sink = tl.load(Sinks + head * sink_stride).to(tl.float32)
         # The sink's probability; 0 for a row with lse = -inf (no key and a -inf sink).
         p_sink = tl.where(lse == float("-inf"), 0.0, tl.exp(sink - lse))
         part = -tl.sum(p_sink * delta, 0)
-        tile = (batch * tl.num_programs(1) + head) * tl.num_programs(0) + pid_m
-        tl.store(DSinkParts + tile, part)
+        tl.store(DSinkParts + head * parts_strides[0] + batch * parts_strides[1] + pid_m, part)
+
+
+@triton.jit
+def _sum_kernel(Parts, Sums, count, BLOCK: tl.constexpr):
+    """Grid ``(rows,)``: ``Sums[r] = sum(Parts[r, :count])`` in a fixed order (``Parts``
+    contiguous float32): the sinks' gradient from the delta kernel's partial sums."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, count, BLOCK):
+        acc += tl.load(Parts + row * count + start + offs, mask=start + offs < count, other=0.0)
+    tl.store(Sums + row, tl.sum(acc, 0))
+
+
+@triton.jit(do_not_specialize=["seqlen"])
+def _sum_parts_kernel(
+    Parts, Out, parts_strides, out_strides, seqlen, num_parts,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Grid ``(row tiles, H, B)``: ``Out[b, s, h] = sum_p Parts[p, b, s, h]`` in a fixed order,
+    cast to ``Out``'s dtype (dK/dV of a GQA group split over several programs).
+    ``parts_strides`` ``(part, batch, row, head)``, ``out_strides`` ``(batch, row, head)``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
+    src = (Parts + batch * parts_strides[1] + head * parts_strides[3] + rows[:, None].to(tl.int64) * parts_strides[2]
+           + offs_d[None, :])
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for part in range(num_parts):
+        acc += tl.load(src + part * parts_strides[0], mask=mask, other=0.0)
+    dst = (Out + batch * out_strides[0] + head * out_strides[2] + rows[:, None].to(tl.int64) * out_strides[1]
+           + offs_d[None, :])
+    tl.store(dst, acc.to(Out.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,14 +353,8 @@ def _dkdv_step(
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
 def _dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_lh, stride_eb, stride_eh,
-    stride_dkp, stride_dkb, stride_dks, stride_dkh,
-    stride_dvp, stride_dvb, stride_dvs, stride_dvh,
-    Slopes, stride_ab, stride_ah,
+    q_strides, k_strides, v_strides, do_strides, lse_strides, delta_strides, dk_strides, dv_strides,
+    Slopes, alibi_strides,
     seqlen_q, seqlen_k, num_seqs, group_size, heads_per_program, qk_scale, sm_scale,
     window_left, window_right, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -333,9 +364,13 @@ def _dkdv_kernel(
     """Grid ``(key tiles, Hkv * parts, B)`` dense, ``(key tile bound, Hkv * parts, 1)`` packed.
 
     Part ``p`` of KV head ``g`` covers query heads ``g * group_size + p * heads_per_program``
-    onwards (``heads_per_program`` of them) and writes slice ``p`` of ``DK``/``DV`` (stride
-    ``stride_dkp``/``stride_dvp``; 0 when the group is not split).
+    onwards (``heads_per_program`` of them) and writes slice ``p`` of ``DK``/``DV``.
+    ``*_strides``: ``(batch, row, head)`` (batch 0 when packed); ``dk_strides``/``dv_strides``
+    ``(part, batch, row, head)`` (part 0 when the group is not split); ``lse_strides``,
+    ``delta_strides`` and ``alibi_strides`` ``(batch, head)``.
     """
+    stride_qb, stride_qs, stride_qh = q_strides[0], q_strides[1], q_strides[2]
+    stride_dob, stride_dos, stride_doh = do_strides[0], do_strides[1], do_strides[2]
     batch, n_tile, start_k, seqlen_k, start_q, seqlen_q = _program_sequence(
         CuSeqlensK, CuSeqlensQ, num_seqs, seqlen_k, seqlen_q, BLOCK_N, BLOCK_B, IS_VARLEN)
     parts = group_size // heads_per_program
@@ -348,9 +383,9 @@ def _dkdv_kernel(
     offs_k = tl.arange(0, BLOCK_N)
     keys = start_n + offs_k
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + batch * stride_kb + start_k * stride_ks + kv_head * stride_kh
-    v_base = V + batch * stride_vb + start_k * stride_vs + kv_head * stride_vh
-    k, v = _load_pair(k_base, v_base, start_n, seqlen_k, stride_ks, stride_vs, offs_k, offs_d,
+    k_base = K + batch * k_strides[0] + start_k * k_strides[1] + kv_head * k_strides[2]
+    v_base = V + batch * v_strides[0] + start_k * v_strides[1] + kv_head * v_strides[2]
+    k, v = _load_pair(k_base, v_base, start_n, seqlen_k, k_strides[1], v_strides[1], offs_k, offs_d,
                       HEAD_DIM, BLOCK_D, True, DOT_F32)
 
     # Query tiles that see some key of this tile, [lo, hi), and those whose every row sees every
@@ -373,10 +408,10 @@ def _dkdv_kernel(
         head = (first_head + h).to(tl.int64)
         q_base = Q + batch * stride_qb + start_q * stride_qs + head * stride_qh
         do_base = DOut + batch * stride_dob + start_q * stride_dos + head * stride_doh
-        lse_base = Lse + batch * stride_lb + head * stride_lh + start_q
-        delta_base = Delta + batch * stride_eb + head * stride_eh + start_q
+        lse_base = Lse + batch * lse_strides[0] + head * lse_strides[1] + start_q
+        delta_base = Delta + batch * delta_strides[0] + head * delta_strides[1] + start_q
         if HAS_ALIBI:
-            slope = tl.load(Slopes + batch * stride_ab + head * stride_ah)
+            slope = tl.load(Slopes + batch * alibi_strides[0] + head * alibi_strides[1])
             alibi_keys = tl.zeros([BLOCK_N], dtype=tl.float32) + slope * 1.4426950408889634
         else:
             alibi_keys = 0.0
@@ -394,10 +429,11 @@ def _dkdv_kernel(
     if BLOCK_D != HEAD_DIM:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
     part = part.to(tl.int64)
-    dk_ptrs = (DK + part * stride_dkp + batch * stride_dkb + kv_head * stride_dkh
-               + (start_k + keys[:, None].to(tl.int64)) * stride_dks + offs_d[None, :])
-    dv_ptrs = (DV + part * stride_dvp + batch * stride_dvb + kv_head * stride_dvh
-               + (start_k + keys[:, None].to(tl.int64)) * stride_dvs + offs_d[None, :])
+    rows_k = start_k + keys[:, None].to(tl.int64)
+    dk_ptrs = (DK + part * dk_strides[0] + batch * dk_strides[1] + kv_head * dk_strides[3]
+               + rows_k * dk_strides[2] + offs_d[None, :])
+    dv_ptrs = (DV + part * dv_strides[0] + batch * dv_strides[1] + kv_head * dv_strides[3]
+               + rows_k * dv_strides[2] + offs_d[None, :])
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
 
@@ -443,13 +479,8 @@ def _dq_step(
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
 def _dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_lh, stride_eb, stride_eh,
-    stride_dqb, stride_dqs, stride_dqh,
-    Slopes, stride_ab, stride_ah,
+    q_strides, k_strides, v_strides, do_strides, lse_strides, delta_strides, dq_strides,
+    Slopes, alibi_strides,
     seqlen_q, seqlen_k, num_seqs, group_size, qk_scale, sm_scale,
     window_left, window_right, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -457,7 +488,7 @@ def _dq_kernel(
     IS_VARLEN: tl.constexpr, BLOCK_B: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(query tiles, Hq, B)`` dense, ``(query tile bound, Hq, 1)`` packed; with a mask
-    the tiles with the most keys are issued first."""
+    the tiles with the most keys are issued first. Strides as in :func:`_dkdv_kernel`."""
     batch, m_tile, start_q, seqlen_q, start_k, seqlen_k = _program_sequence(
         CuSeqlensQ, CuSeqlensK, num_seqs, seqlen_q, seqlen_k, BLOCK_M, BLOCK_B, IS_VARLEN)
     if CAUSAL or HAS_WINDOW:  # programs past the last tile (packed) clamp to 0 and store nothing
@@ -470,16 +501,17 @@ def _dq_kernel(
     offs_r = tl.arange(0, BLOCK_M)
     rows = first_row + offs_r
     offs_d = tl.arange(0, BLOCK_D)
-    q_base = Q + batch * stride_qb + start_q * stride_qs + head * stride_qh
-    do_base = DOut + batch * stride_dob + start_q * stride_dos + head * stride_doh
-    k_base = K + batch * stride_kb + start_k * stride_ks + kv_head * stride_kh
-    v_base = V + batch * stride_vb + start_k * stride_vs + kv_head * stride_vh
-    q, do = _load_pair(q_base, do_base, first_row, seqlen_q, stride_qs, stride_dos, offs_r, offs_d,
+    q_base = Q + batch * q_strides[0] + start_q * q_strides[1] + head * q_strides[2]
+    do_base = DOut + batch * do_strides[0] + start_q * do_strides[1] + head * do_strides[2]
+    k_base = K + batch * k_strides[0] + start_k * k_strides[1] + kv_head * k_strides[2]
+    v_base = V + batch * v_strides[0] + start_k * v_strides[1] + kv_head * v_strides[2]
+    q, do = _load_pair(q_base, do_base, first_row, seqlen_q, q_strides[1], do_strides[1], offs_r, offs_d,
                        HEAD_DIM, BLOCK_D, True, DOT_F32)
-    lse, delta = _load_row_stats(Lse + batch * stride_lb + head * stride_lh + start_q,
-                                 Delta + batch * stride_eb + head * stride_eh + start_q, rows, seqlen_q, True)
+    lse, delta = _load_row_stats(Lse + batch * lse_strides[0] + head * lse_strides[1] + start_q,
+                                 Delta + batch * delta_strides[0] + head * delta_strides[1] + start_q,
+                                 rows, seqlen_q, True)
     if HAS_ALIBI:
-        slope = tl.load(Slopes + batch * stride_ab + head * stride_ah)
+        slope = tl.load(Slopes + batch * alibi_strides[0] + head * alibi_strides[1])
         alibi_rows = tl.zeros([BLOCK_M], dtype=tl.float32) + slope * 1.4426950408889634
     else:
         alibi_rows = 0.0
@@ -496,7 +528,7 @@ def _dq_kernel(
     for start_n in tl.range(lo, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_base, v_base, start_n,
                       (start_n < mid_lo) | (start_n >= mid_hi), row_pos, offs_d,
-                      seqlen_k, stride_ks, stride_vs, qk_scale,
+                      seqlen_k, k_strides[1], v_strides[1], qk_scale,
                       window_left, window_right, softcap_in, softcap_out, alibi_rows,
                       HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                       DOT_F32, DOT_PRECISION)
@@ -505,8 +537,8 @@ def _dq_kernel(
     mask = rows[:, None] < seqlen_q
     if BLOCK_D != HEAD_DIM:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
-    dq_ptrs = (DQ + batch * stride_dqb + head * stride_dqh
-               + (start_q + rows[:, None].to(tl.int64)) * stride_dqs + offs_d[None, :])
+    dq_ptrs = (DQ + batch * dq_strides[0] + head * dq_strides[2]
+               + (start_q + rows[:, None].to(tl.int64)) * dq_strides[1] + offs_d[None, :])
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
@@ -515,8 +547,11 @@ def _dq_kernel(
 # --------------------------------------------------------------------------------------------
 
 _launch_delta = Launcher(_delta_kernel)
+_launch_sum = Launcher(_sum_kernel)
+_launch_sum_parts = Launcher(_sum_parts_kernel)
 _launch_dkdv = Launcher(_dkdv_kernel)
 _launch_dq = Launcher(_dq_kernel)
+SUM_PARTS_ROWS = 32  # rows per program of the split-group sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,22 +575,20 @@ class _Layout:
         """``x`` restricted to a batch chunk (dense), or whole (packed)."""
         return x if self.varlen else x[b0:b1]
 
-    def strides(self, x: torch.Tensor) -> tuple[int, int, int]:
-        """(batch, row, head) strides of a ``[B, S, H, D]`` / ``[total, H, D]`` tensor."""
-        return (0, x.stride(0), x.stride(1)) if self.varlen else (x.stride(0), x.stride(1), x.stride(2))
-
-    def stat_strides(self, x: torch.Tensor) -> tuple[int, int]:
-        """(batch, head) strides of a ``[B, H, S]`` / ``[H, total]`` statistic (rows contiguous)."""
-        return (0, x.stride(0)) if self.varlen else (x.stride(0), x.stride(1))
-
     def tiles(self, length: int, max_length: int, block: int, num_seqs: int) -> int:
         """Grid axis 0: tiles per sequence (dense), or a bound on all sequences' tiles (packed)."""
         if not self.varlen:
-            return triton.cdiv(length, block)
-        return min(length // block + num_seqs, num_seqs * triton.cdiv(max_length, block))
+            return cdiv(length, block)
+        return min(length // block + num_seqs, num_seqs * cdiv(max_length, block))
 
     def cu_seqlens(self, cu: torch.Tensor | None, b0: int, fallback: torch.Tensor) -> torch.Tensor:
         return cu[b0:] if self.varlen else fallback
+
+
+def _stat_strides(x: torch.Tensor) -> tuple[int, int]:
+    """``(batch, head)`` strides of a ``[B, H, S]`` statistic, or ``(0, head)`` of ``[H, total]``
+    (rows contiguous)."""
+    return (x.stride(0), x.stride(1)) if x.dim() == 3 else (0, x.stride(0))
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -602,10 +635,15 @@ def attention_backward(
     natural log, including the sink) are the forward's. The variant arguments are the
     forward's; ``alibi_slopes`` get no gradient. Inputs are validated by the caller.
 
-    ``dq, dk, dv`` are written whole (any strides; one with a non-contiguous last dim goes
+    ``dq, dk, dv`` are written whole (any strides; one whose last dim is not contiguous goes
     through a temporary). dK/dV of a KV head are summed over its query heads (GQA).
     Returns ``dsinks [Hq]`` float32 when ``sinks`` is given: ``-sum exp(sink - lse) * delta``
     over the rows of every sequence.
+
+    Every launch goes through a :class:`Launcher` and every temporary through
+    ``_launch.allocate``, so a recorded call replays whole (``_launch.Recorder``); the paths
+    that use torch operations instead (empty inputs, non-contiguous last dims) are ones a
+    recording cannot identify, so they are never replayed.
 
     ``deterministic`` is accepted for the API's sake: no kernel here uses atomics, so the
     results are always bitwise reproducible for a given input shape and configuration.
@@ -614,16 +652,16 @@ def attention_backward(
     varlen = cu_seqlens_q is not None
     interpreted = is_interpreted(_dkdv_kernel)
     head_dim = q.shape[-1]
-    num_q_heads, num_kv_heads = q.shape[-2], k.shape[-2]
+    num_q_heads = q.shape[-2]
     if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
         seqlen_q, seqlen_k = q.shape[0], k.shape[0]
-        layout = _Layout(True, batch, seqlen_q, seqlen_k, seqlen_q if max_seqlen_q is None else max_seqlen_q,
+        layout = _Layout(True, cu_seqlens_q.shape[0] - 1, seqlen_q, seqlen_k,
+                         seqlen_q if max_seqlen_q is None else max_seqlen_q,
                          seqlen_k if max_seqlen_k is None else max_seqlen_k)
     else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        layout = _Layout(False, batch, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
-    if batch == 0 or seqlen_q == 0 or seqlen_k == 0 or num_q_heads == 0 or layout.max_seqlen_q == 0:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        layout = _Layout(False, q.shape[0], seqlen_q, seqlen_k, seqlen_q, seqlen_k)
+    if layout.batch == 0 or seqlen_q == 0 or seqlen_k == 0 or num_q_heads == 0 or layout.max_seqlen_q == 0:
         for grad in (dq, dk, dv):
             grad.zero_()
         return torch.zeros(num_q_heads, dtype=torch.float32, device=q.device) if sinks is not None else None
@@ -633,7 +671,7 @@ def attention_backward(
     dout, q, k, v, out, lse = (_last_dim_contiguous(x) for x in (dout, q, k, v, out, lse))
     targets = [g if g.stride(-1) == 1 else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in (dq, dk, dv)]
 
-    delta, dsinks = _delta(out, dout, lse, sinks, layout, config, interpreted)
+    delta, dsinks = _delta(out, dout, lse, sinks, layout, config)
     _dkdv(q, k, v, dout, lse, delta, targets[1], targets[2], cu_seqlens_q, cu_seqlens_k, variant,
           softmax_scale, layout, config, interpreted)
     _dq(q, k, v, dout, lse, delta, targets[0], cu_seqlens_q, cu_seqlens_k, variant, softmax_scale, layout,
@@ -644,31 +682,32 @@ def attention_backward(
     return dsinks
 
 
-def _delta(out, dout, lse, sinks, layout: _Layout, config: BackwardConfig, interpreted: bool):
+def _delta(out, dout, lse, sinks, layout: _Layout, config: BackwardConfig):
     """``delta`` (``[B, Hq, Sq]`` / ``[Hq, total_q]`` float32) and the sinks' gradient."""
     num_q_heads, head_dim = out.shape[-2], out.shape[-1]
-    if layout.varlen:
-        delta = torch.empty((num_q_heads, layout.seqlen_q), dtype=torch.float32, device=out.device)
-        batch_grid = 1
-    else:
-        delta = torch.empty((layout.batch, num_q_heads, layout.seqlen_q), dtype=torch.float32, device=out.device)
-        batch_grid = layout.batch
+    stat_shape = (num_q_heads, layout.seqlen_q) if layout.varlen else (layout.batch, num_q_heads, layout.seqlen_q)
+    delta = allocate(stat_shape, torch.float32, out.device)
     block_m = config.delta_block_m
-    tiles = triton.cdiv(layout.seqlen_q, block_m)
-    parts = (torch.empty((batch_grid, num_q_heads, tiles), dtype=torch.float32, device=out.device)
-             if sinks is not None else delta)
+    tiles = cdiv(layout.seqlen_q, block_m)
+    batch_grid = 1 if layout.varlen else layout.batch
+    parts = allocate((num_q_heads, batch_grid, tiles), torch.float32, out.device) if sinks is not None else delta
     for b0, b1 in [(0, 1)] if layout.varlen else layout.chunks():
         rows = functools.partial(layout.rows, b0=b0, b1=b1)
         _launch_delta(
             (tiles, num_q_heads, b1 - b0),
-            rows(out), rows(dout), rows(lse), rows(delta), sinks if sinks is not None else out, rows(parts),
-            *layout.strides(out), *layout.strides(dout), *layout.stat_strides(lse), *layout.stat_strides(delta),
-            sinks.stride(0) if sinks is not None else 0,
-            layout.seqlen_q,
+            rows(out), rows(dout), rows(lse), rows(delta), sinks if sinks is not None else out,
+            parts[:, b0:b1] if sinks is not None else parts,
+            o_strides=_strides3(out), do_strides=_strides3(dout), lse_strides=_stat_strides(lse),
+            delta_strides=_stat_strides(delta),
+            parts_strides=(parts.stride(0), parts.stride(1)) if sinks is not None else (0, 0),
+            sink_stride=sinks.stride(0) if sinks is not None else 0, seqlen=layout.seqlen_q,
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, HAS_SINKS=sinks is not None,
             num_warps=4, num_stages=1,
         )
-    dsinks = parts.sum(dim=(0, 2)) if sinks is not None else None
+    if sinks is None:
+        return delta, None
+    dsinks = allocate((num_q_heads,), torch.float32, out.device)
+    _launch_sum((num_q_heads,), parts, dsinks, batch_grid * tiles, BLOCK=1024, num_warps=4, num_stages=1)
     return delta, dsinks
 
 
@@ -676,14 +715,14 @@ def _variant_args(variant: Variant, alibi_slopes, softmax_scale: float, layout: 
     """The variant's kernel arguments without the sinks (only the delta kernel reads them)."""
     args = dataclasses.replace(variant, alibi_slopes=alibi_slopes, sinks=None).kernel_args(
         softmax_scale, layout.seqlen_q, layout.seqlen_k, unused=unused)
-    for name in ("Sinks", "stride_sh", "HAS_SINKS"):
+    for name in ("Sinks", "sink_stride", "HAS_SINKS"):
         del args[name]
     return args
 
 
 def _dkdv(q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, variant: Variant, softmax_scale: float,
           layout: _Layout, config: BackwardConfig, interpreted: bool) -> None:
-    """Launch the dK/dV kernel; with a split group, through float32 slices summed afterwards."""
+    """Launch the dK/dV kernel; with a split group, into float32 slices then summed."""
     num_q_heads, head_dim = q.shape[-2], q.shape[-1]
     num_kv_heads = k.shape[-2]
     group = num_q_heads // num_kv_heads
@@ -697,10 +736,12 @@ def _dkdv(q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, variant
         raise ValueError(f"group_split={parts} must divide the GQA group size {group} "
                          f"({num_q_heads} query heads over {num_kv_heads} KV heads)")
     if parts > 1:
-        dk_out = torch.empty((parts, *dk.shape), dtype=torch.float32, device=dk.device)
-        dv_out = torch.empty((parts, *dv.shape), dtype=torch.float32, device=dv.device)
+        dk_out = allocate((parts, *dk.shape), torch.float32, dk.device)
+        dv_out = allocate((parts, *dv.shape), torch.float32, dv.device)
     else:
         dk_out, dv_out = dk[None], dv[None]
+    dk_strides = (dk_out.stride(0) if parts > 1 else 0, *_strides3(dk_out[0]))
+    dv_strides = (dv_out.stride(0) if parts > 1 else 0, *_strides3(dv_out[0]))
     for b0, b1 in layout.chunks():
         num_seqs = b1 - b0
         grid = (layout.tiles(layout.seqlen_k, layout.max_seqlen_k, tile.block_n, num_seqs), num_kv_heads * parts,
@@ -708,21 +749,20 @@ def _dkdv(q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, variant
         if grid[0] == 0:
             continue
         rows = functools.partial(layout.rows, b0=b0, b1=b1)
-        dk_chunk = dk_out if layout.varlen else dk_out[:, b0:b1]
-        dv_chunk = dv_out if layout.varlen else dv_out[:, b0:b1]
         _launch_dkdv(
-            grid, rows(q), rows(k), rows(v), rows(dout), rows(lse), rows(delta), dk_chunk, dv_chunk,
+            grid, rows(q), rows(k), rows(v), rows(dout), rows(lse), rows(delta),
+            dk_out if layout.varlen else dk_out[:, b0:b1], dv_out if layout.varlen else dv_out[:, b0:b1],
             layout.cu_seqlens(cu_seqlens_q, b0, q), layout.cu_seqlens(cu_seqlens_k, b0, q),
-            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
-            *layout.stat_strides(lse), *layout.stat_strides(delta),
-            dk_out.stride(0) if parts > 1 else 0, *layout.strides(dk_out[0]),
-            dv_out.stride(0) if parts > 1 else 0, *layout.strides(dv_out[0]),
-            **_kernel_tail(variant, _slopes_chunk(variant.alibi_slopes, b0, b1), softmax_scale, layout, q,
-                           num_seqs, group, tile, interpreted, heads_per_program=group // parts),
+            **_kernel_tail(q, k, v, dout, lse, delta, variant, _slopes_chunk(variant.alibi_slopes, b0, b1),
+                           softmax_scale, layout, num_seqs, group, tile, interpreted),
+            dk_strides=dk_strides, dv_strides=dv_strides, heads_per_program=group // parts,
         )
     if parts > 1:
-        dk.copy_(dk_out.sum(dim=0))
-        dv.copy_(dv_out.sum(dim=0))
+        for target, summed in ((dk, dk_out), (dv, dv_out)):
+            grid = (cdiv(target.shape[-3], SUM_PARTS_ROWS), num_kv_heads, 1 if layout.varlen else target.shape[0])
+            _launch_sum_parts(grid, summed, target, (summed.stride(0), *_strides3(summed[0])), _strides3(target),
+                              target.shape[-3], parts, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+                              BLOCK_R=SUM_PARTS_ROWS, num_warps=4, num_stages=1)
 
 
 def _dq(q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, variant: Variant, softmax_scale: float,
@@ -741,23 +781,24 @@ def _dq(q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, variant: Vari
         _launch_dq(
             grid, rows(q), rows(k), rows(v), rows(dout), rows(lse), rows(delta), rows(dq),
             layout.cu_seqlens(cu_seqlens_q, b0, q), layout.cu_seqlens(cu_seqlens_k, b0, q),
-            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
-            *layout.stat_strides(lse), *layout.stat_strides(delta), *layout.strides(dq),
-            **_kernel_tail(variant, _slopes_chunk(variant.alibi_slopes, b0, b1), softmax_scale, layout, q,
-                           num_seqs, group, tile, interpreted),
+            **_kernel_tail(q, k, v, dout, lse, delta, variant, _slopes_chunk(variant.alibi_slopes, b0, b1),
+                           softmax_scale, layout, num_seqs, group, tile, interpreted),
+            dq_strides=_strides3(dq),
         )
 
 
-def _kernel_tail(variant: Variant, alibi_slopes, softmax_scale: float, layout: _Layout, q, num_seqs: int,
-                 group: int, tile: TileConfig, interpreted: bool, **extra) -> dict:
-    """The named arguments shared by the dK/dV and dQ launches (``extra`` adds the rest)."""
+def _kernel_tail(q, k, v, dout, lse, delta, variant: Variant, alibi_slopes, softmax_scale: float, layout: _Layout,
+                 num_seqs: int, group: int, tile: TileConfig, interpreted: bool) -> dict:
+    """The named arguments shared by the dK/dV and dQ launches."""
     mods = _variant_args(variant, alibi_slopes, softmax_scale, layout, unused=q)
     head_dim = q.shape[-1]
     return dict(
-        seqlen_q=layout.seqlen_q, seqlen_k=layout.seqlen_k, num_seqs=num_seqs, group_size=group, **extra,
+        q_strides=_strides3(q), k_strides=_strides3(k), v_strides=_strides3(v), do_strides=_strides3(dout),
+        lse_strides=_stat_strides(lse), delta_strides=_stat_strides(delta),
+        seqlen_q=layout.seqlen_q, seqlen_k=layout.seqlen_k, num_seqs=num_seqs, group_size=group,
         qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        IS_VARLEN=layout.varlen, BLOCK_B=max(16, triton.next_power_of_2(num_seqs)) if layout.varlen else 1,
+        IS_VARLEN=layout.varlen, BLOCK_B=max(16, next_power_of_2(num_seqs)) if layout.varlen else 1,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
         **mods, **dot_flags(q.dtype, interpreted),
     )
