@@ -518,3 +518,33 @@ def test_deterministic_gpu():
 def test_batch_beyond_grid_limit_gpu():
     """More batch elements than grid axis 2 takes (65535): launched in chunks."""
     run_dense(65537, 3, 5, (1, 1), 16, torch.float16, causal=True)
+
+
+@pytest.mark.gpu
+def test_recorded_call_replays_gpu():
+    """Every launch and temporary of a backward call is recorded (``_launch.Recorder``): its
+    replay with another ``dout`` gives the gradients a direct call gives, bit for bit (a split
+    GQA group and sinks included, so all five kernels run)."""
+    from flashkernel.kernels._launch import CallCache, allocate
+
+    q, k, v = random_qkv(2, 300, 300, 8, 2, 128, torch.bfloat16)
+    sinks = torch.randn(8, device=DEVICE)
+    out, lse = flashkernel.flash_attn_func(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    table = backward.CONFIGS[128]
+    config = BackwardConfig(table.dkdv, table.dq, table.delta_block_m, 2)
+
+    def run(dout):
+        grads = [allocate(x.shape, x.dtype, x.device) for x in (q, k, v)]
+        dsinks = attention_backward(dout, q, k, v, out, lse, *grads, causal=True, softmax_scale=128 ** -0.5,
+                                    sinks=sinks, config=config)
+        return (*grads, dsinks)
+
+    cache = CallCache()
+    first_dout = torch.randn_like(q)
+    cache.record("backward", (first_dout, q, k, v, out, lse, sinks), lambda: run(first_dout))
+    replay = cache.get("backward")
+    assert replay is not None
+    dout = torch.randn_like(q)
+    replayed = replay.run((dout, q, k, v, out, lse, sinks))
+    for a, b in zip(replayed, run(dout)):
+        assert torch.equal(a, b)

@@ -17,10 +17,11 @@ where ``f(x) = scale * x``, or ``softcap * tanh(scale * x / softcap)`` with
 ``delta`` keeps its form and the sink's own gradient is ``dsink_h = -sum_i exp(sink_h - lse_i)
 delta_i`` over the rows (and batch) of head ``h``.
 
-Three launches:
+Three kernels (and two small sums):
 
 1. ``_delta_kernel``: ``delta = rowsum(dO * out)`` in float32 (``[B, Hq, Sq]``, or ``[Hq,
-   total_q]`` packed), plus per-program partial sums of the sink gradient.
+   total_q]`` packed), plus per-program partial sums of the sink gradient, which
+   ``_sum_kernel`` adds up per head.
 2. ``_dkdv_kernel``: one program per (key tile, KV head or part of its query-head group,
    batch). It keeps its K/V tile and the dK/dV accumulators (float32) on chip and walks the
    query heads of its GQA group and, for each, the query tiles that can see its keys: tiles the
@@ -37,8 +38,8 @@ Three launches:
 No float atomics anywhere: every gradient element is written by exactly one program, so the
 results are bitwise reproducible run to run and ``deterministic=True`` costs nothing. When a
 GQA group is split over several programs (few key tiles per KV head, e.g. MQA at short
-lengths), each part writes its own float32 slice and a fixed-order ``torch.sum`` adds them,
-which is deterministic too.
+lengths), each part writes its own float32 slice and ``_sum_parts_kernel`` adds them in a fixed
+order, which is deterministic too.
 
 Rows that see no key have ``lse = -inf`` and every pair of theirs masked, so they get zero
 gradients; the kernels also read such an LSE (and rows past the end) as ``+inf``, so ``P`` is 0
@@ -86,13 +87,14 @@ class BackwardConfig:
     group_split: int | None = None
 
 
-# Written for Hopper (H200) with bf16/fp16, checked offline with ptxas for sm_90a
-# (``python -m flashkernel.bench.backward --compile-check``: no register spills in the plain and
-# causal kernels but 8 bytes in the causal dK/dV kernel at head dim 256, the least of the shapes
-# tried), to be timed and tuned on the GPU. The dK/dV program holds two float32 accumulators [block_n, head_dim] (dK,
-# dV: 128 registers per thread at 128 x 128 over 8 warps) plus the transposed score tiles
-# [block_n, block_m]; so block_m shrinks as the head dim grows. With 8 warps the key tile must be
-# 128 long: wgmma gives each warp 16 rows, and a 64-key tile would be computed twice.
+# Written for Hopper (H200) with bf16/fp16 and checked offline with ptxas for sm_90a
+# (``python -m flashkernel.bench.backward --compile-check``): no register spills in the plain and
+# causal kernels, but for 8 bytes in the causal dK/dV kernel at head dim 256 (the least of the
+# shapes tried). Not yet timed: to be tuned on the GPU. The dK/dV program holds two float32
+# accumulators [block_n, head_dim] (dK, dV: 128 registers per thread at 128 x 128 over 8 warps)
+# plus the transposed score tiles [block_n, block_m], so block_m shrinks as the head dim grows.
+# With 8 warps the key tile must be 128 long (64 at head dim 256, where the accumulators allow no
+# more): wgmma gives each warp 16 rows, so a shorter tile's scores are computed twice.
 CONFIGS = {
     16: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
     32: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
@@ -101,7 +103,7 @@ CONFIGS = {
     256: BackwardConfig(TileConfig(16, 64, 8, 2), TileConfig(128, 32, 8, 2), 32),
 }
 # fp32 runs exact fp32 ("ieee") products on the FMA units: registers, not shared memory, bound
-# the tiles (these spill at most a few bytes at sm_90a).
+# the tiles (dense launches spill at most 12 bytes at sm_90a).
 FLOAT32_CONFIGS = {
     16: BackwardConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 32, 4, 1), 64),
     32: BackwardConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 32, 4, 1), 64),
@@ -178,15 +180,11 @@ def _span_bounds(seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _load_row_stats(lse_base, delta_base, rows, seqlen_q, MASKED: tl.constexpr):
+def _load_row_stats(lse_base, delta_base, rows, seqlen_q):
     """A tile's LSE in log2 units and its ``delta``. Rows past ``seqlen_q`` and rows that saw no
     key (``lse = -inf``) get ``+inf``, so ``exp2(s - lse)`` is 0 for every key of theirs."""
-    if MASKED:
-        lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=float("inf"))
-        delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
-    else:
-        lse = tl.load(lse_base + rows)
-        delta = tl.load(delta_base + rows)
+    lse = tl.load(lse_base + rows, mask=rows < seqlen_q, other=float("inf"))
+    delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     return lse, delta
 
@@ -327,7 +325,7 @@ def _dkdv_step(
     rows = start_m + offs_r
     q, do = _load_pair(q_base, do_base, start_m, seqlen_q, stride_qs, stride_dos, offs_r, offs_d,
                        HEAD_DIM, BLOCK_D, True, DOT_F32)
-    lse, delta = _load_row_stats(lse_base, delta_base, rows, seqlen_q, True)
+    lse, delta = _load_row_stats(lse_base, delta_base, rows, seqlen_q)
 
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [keys, rows]
     row_pos = rows + causal_shift
@@ -509,7 +507,7 @@ def _dq_kernel(
                        HEAD_DIM, BLOCK_D, True, DOT_F32)
     lse, delta = _load_row_stats(Lse + batch * lse_strides[0] + head * lse_strides[1] + start_q,
                                  Delta + batch * delta_strides[0] + head * delta_strides[1] + start_q,
-                                 rows, seqlen_q, True)
+                                 rows, seqlen_q)
     if HAS_ALIBI:
         slope = tl.load(Slopes + batch * alibi_strides[0] + head * alibi_strides[1])
         alibi_rows = tl.zeros([BLOCK_M], dtype=tl.float32) + slope * 1.4426950408889634
@@ -641,9 +639,10 @@ def attention_backward(
     over the rows of every sequence.
 
     Every launch goes through a :class:`Launcher` and every temporary through
-    ``_launch.allocate``, so a recorded call replays whole (``_launch.Recorder``); the paths
-    that use torch operations instead (empty inputs, non-contiguous last dims) are ones a
-    recording cannot identify, so they are never replayed.
+    ``_launch.allocate``, so a recorded call replays whole (``_launch.Recorder``; tested on the
+    GPU). The paths that use torch operations instead (empty inputs, non-contiguous last dims)
+    are ones a recording cannot identify (no launch, or an unknown address), so they are never
+    replayed; nor are batch chunks past the first (views at an offset).
 
     ``deterministic`` is accepted for the API's sake: no kernel here uses atomics, so the
     results are always bitwise reproducible for a given input shape and configuration.
