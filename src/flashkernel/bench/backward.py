@@ -1,0 +1,339 @@
+"""Backward-pass benchmark: flashkernel's backward kernels against SDPA's FLASH_ATTENTION and
+CUDNN_ATTENTION backends, on the GPU.
+
+Shapes (FlashAttention's benchmark): bf16, 16k tokens per batch (``batch = 16384 // seqlen``),
+model dim 2048 (``heads = 2048 // head_dim``, as many KV heads), head dims 64 and 128, causal and
+not, seqlen 1k / 4k / 16k.
+
+What is timed, each as the median of ``triton.testing.do_bench`` (which flushes L2 between
+calls):
+
+* ``flashkernel``: ``kernels.backward.attention_backward`` given the forward's ``out`` and
+  ``lse`` (computed once, outside the timing), writing into preallocated ``dq, dk, dv``: the
+  delta preprocess, the dK/dV kernel and the dQ kernel.
+* ``sdpa-flash`` / ``sdpa-cudnn``: ``torch.autograd.grad(out, (q, k, v), dout,
+  retain_graph=True)`` over one kept graph of ``scaled_dot_product_attention`` with the backend
+  forced (``[B, H, S, D]`` views of ``[B, S, H, D]`` tensors, ``dout`` in ``out``'s layout).
+
+FLOPs: backward = 2.5 x forward, forward = ``4 * B * H * S * S * D``, halved when causal
+(FlashAttention's convention). Each row also carries flashkernel's largest gradient difference
+from SDPA's flash backend, relative to the largest gradient, as a sanity check.
+
+Run: ``PYTHONPATH=src python -m flashkernel.bench.backward [--out results.json]``.
+
+``--compile-check`` instead compiles the backward kernels for sm_90a at the tile table's
+configurations (no GPU needed: Triton's bundled ptxas) and reports registers, spills, shared
+memory and wgmma counts (``tests/test_backward_compile.py`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+TOKENS = 16384
+MODEL_DIM = 2048
+DEFAULT_SHAPES = tuple((head_dim, causal, seqlen) for head_dim in (64, 128) for causal in (False, True)
+                       for seqlen in (1024, 4096, 16384))
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+PROVIDERS = ("flashkernel", *SDPA_BACKENDS)
+BACKWARD_FLOPS_FORMULA = "backward FLOPs = 2.5 * 4 * B * H * S * S * D, halved when causal"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    head_dim: int
+    causal: bool
+    seqlen: int
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.seqlen)
+
+    @property
+    def heads(self) -> int:
+        return MODEL_DIM // self.head_dim
+
+    def backward_flops(self) -> float:
+        return backward_flops(self.batch, self.heads, self.seqlen, self.head_dim, self.causal)
+
+
+def backward_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> float:
+    """:data:`BACKWARD_FLOPS_FORMULA`."""
+    forward = 4.0 * batch * heads * seqlen * seqlen * head_dim
+    return 2.5 * (forward / 2 if causal else forward)
+
+
+def _inputs(case: Case, dtype):
+    import torch
+
+    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    q, k, v = (torch.randn(shape, dtype=dtype, device="cuda") for _ in range(3))
+    return q, k, v
+
+
+def _flashkernel_backward(case: Case, q, k, v, dout):
+    """A zero-argument call running flashkernel's backward, and the gradients it writes."""
+    import torch
+
+    import flashkernel
+    from flashkernel.kernels.backward import attention_backward
+
+    scale = 1.0 / math.sqrt(case.head_dim)
+    out, lse = flashkernel.flash_attn_func(q, k, v, causal=case.causal, softmax_scale=scale, return_lse=True)
+    grads = tuple(torch.empty_like(x) for x in (q, k, v))
+
+    def call():
+        attention_backward(dout, q, k, v, out, lse, *grads, causal=case.causal, softmax_scale=scale)
+
+    return call, grads
+
+
+def _sdpa_backward(case: Case, backend_name: str, q, k, v, dout):
+    """A zero-argument call running SDPA's backward (one kept graph, ``backend_name`` forced);
+    it returns the gradients of ``q, k, v`` in their ``[B, S, H, D]`` layout."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(getattr(SDPBackend, backend_name)):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in leaves), is_causal=case.causal, scale=1.0 / math.sqrt(case.head_dim))
+    dout_t = dout.transpose(1, 2)  # out's [B, H, S, D] view of the same [B, S, H, D] memory
+    if dout_t.stride() != out.stride():
+        dout_t = torch.empty_like(out).copy_(dout_t)
+
+    def call():
+        return torch.autograd.grad(out, leaves, dout_t, retain_graph=True)
+
+    return call
+
+
+def _relative_difference(ours, theirs) -> float:
+    """max |ours - theirs| / max |theirs| over dq, dk, dv."""
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(ours, theirs))
+
+
+def measure_case(case: Case, dtype=None, warmup_ms: int = 100, rep_ms: int = 500) -> dict:
+    """One row: per provider the median ms and TFLOP/s (or the error it raised), the ratios of
+    flashkernel's TFLOP/s to each SDPA backend's, and the gradient check."""
+    import torch
+    from triton.testing import do_bench
+
+    dtype = dtype or torch.bfloat16
+    q, k, v = _inputs(case, dtype)
+    dout = torch.randn_like(q)
+    row = {"head_dim": case.head_dim, "causal": case.causal, "seqlen": case.seqlen, "batch": case.batch,
+           "heads": case.heads, "dtype": str(dtype).removeprefix("torch."), "flops": case.backward_flops()}
+    ours = None
+    flash_grads = None
+    for name in PROVIDERS:
+        try:
+            if name == "flashkernel":
+                call, ours = _flashkernel_backward(case, q, k, v, dout)
+            else:
+                call = _sdpa_backward(case, SDPA_BACKENDS[name], q, k, v, dout)
+            ms = do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            if name == "sdpa-flash":
+                flash_grads = call()
+            row[f"{name}_ms"] = ms
+            row[f"{name}_tflops"] = case.backward_flops() / (ms * 1e-3) / 1e12
+        except Exception as error:  # noqa: BLE001 - a provider that cannot run this shape is reported
+            row[f"{name}_error"] = f"{type(error).__name__}: {error}"
+        finally:
+            torch.cuda.synchronize()
+    for name in SDPA_BACKENDS:
+        if f"{name}_tflops" in row and "flashkernel_tflops" in row:
+            row[f"vs_{name}"] = row["flashkernel_tflops"] / row[f"{name}_tflops"]
+    if ours is not None and flash_grads is not None:
+        row["max_rel_diff_vs_sdpa_flash"] = _relative_difference(ours, flash_grads)
+    del q, k, v, dout, ours, flash_grads
+    torch.cuda.empty_cache()
+    return row
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A readable table: TFLOP/s per provider and flashkernel's ratios."""
+    headers = ["hdim", "mask", "seqlen", "B x H", *[f"{p} TF/s" for p in PROVIDERS], "vs flash", "vs cudnn",
+               "grad diff"]
+    lines = [headers]
+    for row in rows:
+        cells = [str(row["head_dim"]), "causal" if row["causal"] else "none", str(row["seqlen"]),
+                 f"{row['batch']} x {row['heads']}"]
+        for name in PROVIDERS:
+            value = row.get(f"{name}_tflops")
+            cells.append(f"{value:.1f}" if value is not None else "error")
+        for name in SDPA_BACKENDS:
+            value = row.get(f"vs_{name}")
+            cells.append(f"{value:.2f}x" if value is not None else "-")
+        diff = row.get("max_rel_diff_vs_sdpa_flash")
+        cells.append(f"{diff:.1e}" if diff is not None else "-")
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
+    text = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines]
+    errors = [f"{row['head_dim']}/{row['seqlen']}/{'causal' if row['causal'] else 'none'} {name}: "
+              f"{row[name + '_error']}" for row in rows for name in PROVIDERS if name + "_error" in row]
+    return "\n".join(text + errors)
+
+
+def run_backward_bench(shapes=DEFAULT_SHAPES, out_path: str | Path | None = None, dtype=None,
+                       warmup_ms: int = 100, rep_ms: int = 500, argv: list[str] | None = None) -> dict:
+    """Time every ``(head_dim, causal, seqlen)`` of ``shapes``, print the table, and write the
+    results (environment, formula, rows) as JSON to ``out_path`` when given. Needs CUDA."""
+    import torch
+
+    from .results import environment
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the backward benchmark times GPU kernels: it needs a CUDA GPU")
+    rows = []
+    for head_dim, causal, seqlen in shapes:
+        row = measure_case(Case(head_dim, causal, seqlen), dtype, warmup_ms, rep_ms)
+        rows.append(row)
+        speeds = ", ".join(f"{name} {row[name + '_tflops']:.1f}" if name + "_tflops" in row else f"{name} error"
+                           for name in PROVIDERS)
+        print(f"head_dim {head_dim} {'causal' if causal else 'none'} seqlen {seqlen}: {speeds} TFLOP/s", flush=True)
+    env = environment([], "cuda")
+    env["command"] = shlex.join(["python", "-m", "flashkernel.bench.backward", *(argv or [])])
+    doc = {"workload": "backward", "environment": env, "formula": BACKWARD_FLOPS_FORMULA,
+           "timer": f"triton.testing.do_bench median (warmup {warmup_ms} ms, rep {rep_ms} ms)", "rows": rows}
+    print(format_rows(rows))
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {out_path}")
+    return doc
+
+
+# ---- compile check: the kernels as ptxas sees them for sm_90a (no GPU needed) --------------------
+
+COMPILE_DTYPES = ("bfloat16", "float16")
+# Bytes of spills accepted per head dim: at 256 the dK/dV accumulators alone take 128 registers
+# per thread, and the least-spilling tile shape tried spills 8 bytes in the causal kernel.
+SPILL_ALLOWANCE = {256: 16}
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """One specialization of a backward kernel at the tile table's configuration."""
+
+    kernel: str  # "dkdv" or "dq"
+    dtype: str
+    head_dim: int
+    causal: bool
+
+
+def _kernel_values(spec: CompileSpec):
+    """``(kernel, values, num_warps, num_stages)`` for ``compile_check.compile_triton``: the
+    argument types and constexprs a dense launch of ``spec`` passes."""
+    from flashkernel.kernels import backward as bw
+    from flashkernel.kernels._common import padded_head_dim
+
+    ty = TRITON_TYPES[spec.dtype]
+    table = bw.FLOAT32_CONFIGS if spec.dtype == "float32" else bw.CONFIGS
+    config = table[padded_head_dim(spec.head_dim)]
+    tile = config.dkdv if spec.kernel == "dkdv" else config.dq
+    rows, stat = ("i32",) * 3, ("i32",) * 2
+    values = dict(Q=f"*{ty}", K=f"*{ty}", V=f"*{ty}", DOut=f"*{ty}", Lse="*fp32", Delta="*fp32",
+                  CuSeqlensQ="*i32", CuSeqlensK="*i32", Slopes="*fp32",
+                  q_strides=rows, k_strides=rows, v_strides=rows, do_strides=rows, lse_strides=stat,
+                  delta_strides=stat, alibi_strides=stat,
+                  qk_scale="fp32", sm_scale="fp32", softcap_in="fp32", softcap_out="fp32",
+                  HEAD_DIM=spec.head_dim, BLOCK_D=padded_head_dim(spec.head_dim), BLOCK_M=tile.block_m,
+                  BLOCK_N=tile.block_n, CAUSAL=spec.causal, HAS_WINDOW=False, HAS_SOFTCAP=False,
+                  HAS_ALIBI=False, IS_VARLEN=False, BLOCK_B=1, DOT_F32=False,
+                  DOT_PRECISION="ieee" if spec.dtype == "float32" else "tf32")
+    if spec.kernel == "dkdv":
+        values.update(DK=f"*{ty}", DV=f"*{ty}", dk_strides=("i32",) * 4, dv_strides=("i32",) * 4)
+        kernel = bw._dkdv_kernel
+    else:
+        values.update(DQ=f"*{ty}", dq_strides=rows)
+        kernel = bw._dq_kernel
+    return kernel, values, tile.num_warps, tile.num_stages
+
+
+def compile_report(spec: CompileSpec) -> dict:
+    """Compile ``spec`` for sm_90a and report ptxas's registers and spills, the wgmma count of
+    the PTX, and the problems: ptxas failing, spills beyond :data:`SPILL_ALLOWANCE`, no wgmma at
+    16-bit dtypes."""
+    from . import compile_check as cc
+
+    kernel, values, num_warps, num_stages = _kernel_values(spec)
+    compiled = cc.compile_triton(kernel, values, num_warps, num_stages)
+    ptx = compiled.asm["ptx"]
+    report = {**dataclasses.asdict(spec), **cc.ptxas_report(ptx, sass=False),
+              "wgmma": ptx.count("wgmma.mma_async"), "shared_bytes": compiled.metadata.shared}
+    problems = []
+    if not report["ptxas_ok"]:
+        problems.append("ptxas failed")
+    if max(report["spill_stores"] or 0, report["spill_loads"] or 0) > SPILL_ALLOWANCE.get(spec.head_dim, 0):
+        problems.append(f"spills {report['spill_stores']} B")
+    if spec.dtype != "float32" and not report["wgmma"]:
+        problems.append("no wgmma")
+    report["problems"] = problems
+    return report
+
+
+def compile_specs(dtypes=COMPILE_DTYPES, head_dims=(64, 128, 256)) -> list[CompileSpec]:
+    """The plain and causal dK/dV and dQ kernels at the table's configuration."""
+    return [CompileSpec(kernel, dtype, head_dim, causal) for kernel in ("dkdv", "dq") for dtype in dtypes
+            for head_dim in head_dims for causal in (False, True)]
+
+
+def compile_in_child(specs, timeout: float = 900) -> list[dict]:
+    """:func:`compile_report` of each spec in a fresh Python without ``TRITON_INTERPRET`` (the
+    kernels cannot be compiled where the interpreter is on)."""
+    import os
+    import subprocess
+    import tempfile
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        request, reply = Path(tmp) / "specs.json", Path(tmp) / "reports.json"
+        request.write_text(json.dumps([dataclasses.asdict(s) for s in specs]))
+        result = subprocess.run([sys.executable, "-m", "flashkernel.bench.backward", "--compile-specs", str(request),
+                                 "--out", str(reply)], env=env, capture_output=True, text=True, timeout=timeout)
+        if not reply.exists():
+            raise RuntimeError(f"the compile child failed (rc {result.returncode}): {result.stderr[-3000:]}")
+        return json.loads(reply.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m flashkernel.bench.backward", description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--masks", choices=["none", "causal"], nargs="+", default=["none", "causal"])
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--rep-ms", type=int, default=500)
+    parser.add_argument("--compile-check", action="store_true",
+                        help="compile the kernels for sm_90a (no GPU needed) and report registers and spills")
+    parser.add_argument("--compile-specs", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.compile_check or args.compile_specs:
+        specs = (compile_specs(head_dims=args.head_dims) if args.compile_specs is None
+                 else [CompileSpec(**fields) for fields in json.loads(args.compile_specs.read_text())])
+        reports = [compile_report(spec) for spec in specs]
+        for r in reports:
+            print(f"{r['kernel']:5s} {r['dtype']:9s} d{r['head_dim']:<4d} {'causal' if r['causal'] else 'none':6s} "
+                  f"regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} B wgmma {r['wgmma']} "
+                  f"smem {r['shared_bytes']} {'; '.join(r['problems']) or 'ok'}", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(reports, indent=1) + "\n")
+        return 1 if any(r["problems"] for r in reports) else 0
+    shapes = [(d, mask == "causal", s) for d in args.head_dims for mask in args.masks for s in args.seqlens]
+    run_backward_bench(shapes, args.out, rep_ms=args.rep_ms, argv=argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
