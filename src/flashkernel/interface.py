@@ -96,6 +96,12 @@ def _empty_results(q: torch.Tensor, want_lse: bool, sinks: torch.Tensor | None =
     return out, lse
 
 
+def _with_lse_for_backward(scalars: tuple, tensors) -> tuple:
+    """The op's scalars (``..., return_lse, backend``) with ``return_lse`` on when autograd will
+    record the call: the backward recomputes the attention from the saved LSE."""
+    return (*scalars[:-2], True, scalars[-1]) if ops.needs_grad(tensors) else scalars
+
+
 def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op):
     """Run a validated call: recorded for replay in eager mode, else through the op ``op``
     (after checking that no gradient is wanted where the op has no backward; ``named`` are the
@@ -213,8 +219,9 @@ def flash_attn_func(
         out, lse = _empty_results(q, return_lse, sinks)
         return (out, lse) if return_lse else out
     scalars = (causal, scale, window[0], window[1], cap, return_lse, backend)
+    op_scalars = _with_lse_for_backward(scalars, tensors)
     out, lse = _run("fwd", "flash_attn_func", key, tensors, (("q", q), ("k", k), ("v", v), ("sinks", sinks)),
-                    lambda: ops.fwd_impl(*tensors, *scalars), lambda: ops.fwd(*tensors, *scalars))
+                    lambda: ops.fwd_impl(*tensors, *scalars), lambda: ops.fwd(*tensors, *op_scalars))
     return (out, lse) if return_lse else out
 
 
@@ -309,10 +316,11 @@ def flash_attn_varlen_func(
     def run_eager():
         return ops.varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks, *scalars)
 
+    op_scalars = _with_lse_for_backward(scalars, tensors)
     out, lse = _run("varlen_fwd", "flash_attn_varlen_func", key, tensors,
                     (("q", q), ("k", k), ("v", v), ("sinks", sinks)), run_eager,
                     lambda: ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks,
-                                           *scalars))
+                                           *op_scalars))
     return (out, lse) if return_lse else out
 
 

@@ -12,10 +12,13 @@ without a graph break and Inductor treats the call as opaque (it never recompile
 kernels), ``torch.library.opcheck`` can test it, and dynamic shapes need no recompile per
 length. Every op returns ``(out, lse)``; ``lse`` is an empty tensor when it was not asked for.
 
-The autograd boundary is here too: :func:`register_backward` attaches a backward to ``fwd`` and
-``varlen_fwd`` when one exists (``kernels/backward.py``); until then, and for the cache op
-(decode is inference only), a call whose inputs require grad raises a clear error rather than
-returning an output with no gradient (:func:`check_no_grad`).
+The autograd boundary is here too: ``fwd`` and ``varlen_fwd`` have a backward
+(``flashkernel::bwd``, the kernels of ``kernels/backward.py``: gradients for q, k, v, the sinks
+and the returned LSE, recomputing the attention matrix from the saved LSE), registered with
+``torch.library.register_autograd``, so ``torch.compile`` traces training steps through it too.
+The cache op and ``standard_attention`` have none (decode is inference only): a call whose
+inputs require grad raises a clear error rather than returning an output with no gradient
+(:func:`check_no_grad`).
 
 Host time: an op's real implementation records the launches of its first call per argument
 layout and replays them for later calls of the same layout (``kernels/_launch.py``), so calls
@@ -177,7 +180,101 @@ kvcache_fwd = torch.ops.flashkernel.kvcache_fwd
 
 # ---- autograd -----------------------------------------------------------------------------------
 
-_BACKWARD_OPS: set[str] = set()
+_BACKWARD_OPS = {"fwd", "varlen_fwd"}
+
+
+def bwd_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+             max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+             softcap: float, dlse):
+    """Gradients ``(dq, dk, dv, dsinks)`` of a forward (dense, or packed with ``cu_seqlens_*``);
+    ``dsinks`` is float32 ``[Hq]``, empty without sinks; ``dlse`` the gradient of the returned
+    LSE or None."""
+    from .kernels.backward import attention_backward
+
+    dq, dk, dv = (allocate(x.shape, x.dtype, x.device) for x in (q, k, v))
+    varlen = cu_seqlens_q is not None
+    with on_device(q):
+        dsinks = attention_backward(
+            dout, q, k, v, out, lse, dq, dk, dv, causal=causal, softmax_scale=softmax_scale,
+            window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
+            max_seqlen_k=max_seqlen_k if varlen else None, dlse=dlse)
+    if dsinks is None:
+        dsinks = allocate(_EMPTY_LSE_SHAPE, torch.float32, q.device)
+    return dq, dk, dv, dsinks
+
+
+@torch.library.custom_op("flashkernel::bwd", mutates_args=())
+def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+            cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+            causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+            dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensors = (dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, dlse)
+    scalars = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap)
+    return _cached("bwd", tensors, scalars, lambda: bwd_impl(
+        dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *scalars, dlse))
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              causal, softmax_scale, window_left, window_right, softcap, dlse):
+    dsinks_shape = (q.shape[-2],) if sinks is not None else _EMPTY_LSE_SHAPE
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(dsinks_shape,
+                                                                                       dtype=torch.float32)
+
+
+def _contiguous_last(x):
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v, alibi_slopes, sinks, causal, scale, window_left, window_right, softcap, return_lse, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
+    ctx.packed = None
+    ctx.scalars = (causal, scale, window_left, window_right, softcap)
+    ctx.set_materialize_grads(False)
+
+
+def _setup_varlen_fwd(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, causal, scale,
+     window_left, window_right, softcap, return_lse, _) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
+    ctx.packed = (max_seqlen_q, max_seqlen_k)
+    ctx.scalars = (causal, scale, window_left, window_right, softcap)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    """Gradients of ``fwd`` / ``varlen_fwd`` for q, k, v and the sinks (none for ALiBi slopes)."""
+    saved = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks = saved[:7]
+    cu_q, cu_k = saved[7:] if ctx.packed else (None, None)
+    max_q, max_k = ctx.packed or (0, 0)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is not None and lse.numel() == 0:
+        dlse = None  # the LSE was not returned: nothing flows into it
+    dq, dk, dv, dsinks = torch.ops.flashkernel.bwd(
+        _contiguous_last(dout), q, k, v, out, lse, alibi_slopes, sinks, cu_q, cu_k, max_q, max_k, *ctx.scalars,
+        _contiguous_last(dlse))
+    dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
+    grads = (dq, dk, dv)
+    return (*grads, None, None, None, None, None, dsinks) if ctx.packed else (*grads, None, dsinks)
+
+
+def _backward_fwd(ctx, dout, dlse):
+    return _backward(ctx, dout, dlse) + (None,) * 7
+
+
+def _backward_varlen_fwd(ctx, dout, dlse):
+    return _backward(ctx, dout, dlse) + (None,) * 7
+
+
+torch.library.register_autograd("flashkernel::fwd", _backward_fwd, setup_context=_setup_fwd)
+torch.library.register_autograd("flashkernel::varlen_fwd", _backward_varlen_fwd, setup_context=_setup_varlen_fwd)
 
 
 def check_no_grad(op: str, tensors, what: str) -> None:
@@ -194,4 +291,9 @@ def check_no_grad(op: str, tensors, what: str) -> None:
 
 def needs_grad(tensors) -> bool:
     """Whether autograd would record a call on ``tensors`` (grad mode on, an input requiring grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False

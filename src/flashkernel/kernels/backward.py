@@ -623,6 +623,7 @@ def attention_backward(
     max_seqlen_k: int | None = None,
     deterministic: bool = False,
     config: BackwardConfig | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Gradients of attention into ``dq, dk, dv``; returns the sinks' gradient (or None).
 
@@ -643,6 +644,10 @@ def attention_backward(
     GPU). The paths that use torch operations instead (empty inputs, non-contiguous last dims)
     are ones a recording cannot identify (no launch, or an unknown address), so they are never
     replayed; nor are batch chunks past the first (views at an offset).
+
+    ``dlse`` (shaped like ``lse``, or None): a gradient flowing into the returned LSE too. Since
+    ``d lse_i / d s_ij = P_ij``, it enters as ``delta_i - dlse_i`` (and the sink's share of it
+    adds ``sum exp(sink - lse) * dlse`` to the sinks' gradient).
 
     ``deterministic`` is accepted for the API's sake: no kernel here uses atomics, so the
     results are always bitwise reproducible for a given input shape and configuration.
@@ -671,6 +676,11 @@ def attention_backward(
     targets = [g if g.stride(-1) == 1 else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in (dq, dk, dv)]
 
     delta, dsinks = _delta(out, dout, lse, sinks, layout, config)
+    if dlse is not None:
+        delta = delta - dlse
+        if sinks is not None:
+            sink_rows = sinks.float()[:, None] if varlen else sinks.float()[None, :, None]
+            dsinks = dsinks + (torch.exp(sink_rows - lse) * dlse).sum(dim=1 if varlen else (0, 2))
     _dkdv(q, k, v, dout, lse, delta, targets[1], targets[2], cu_seqlens_q, cu_seqlens_k, variant,
           softmax_scale, layout, config, interpreted)
     _dq(q, k, v, dout, lse, delta, targets[0], cu_seqlens_q, cu_seqlens_k, variant, softmax_scale, layout,

@@ -1,0 +1,96 @@
+"""Autograd through the public functions: ``loss.backward()`` reaches q, k, v and the sinks
+through the op layer's registered backward (``ops.py``), equal to calling the backward kernels
+directly, and ``torch.compile`` traces a training step with no graph break."""
+
+import pytest
+import torch
+
+import flashkernel
+from flashkernel import reference
+from helpers import DEVICE
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _leaves(*shapes, dtype=torch.float32):
+    return [torch.randn(*s, dtype=dtype, device=DEVICE, requires_grad=True) for s in shapes]
+
+
+def _check_grads(got, want, tol):
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert g is not None, f"{name} got no gradient"
+        assert not torch.isnan(g).any(), name
+        err = (g.double() - w).abs().max().item()
+        assert err <= tol * max(1.0, w.abs().max().item()), f"{name}: max error {err:.3e}"
+
+
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window_size=(5, 2), softcap=10.0), dict(causal=True)],
+                         ids=["causal", "window+softcap", "causal-lse"])
+def test_backward_matches_float64_autograd(kwargs, request):
+    q, k, v = _leaves((2, 13, 4, 32), (2, 17, 2, 32), (2, 17, 2, 32))
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    use_lse = request.node.callspec.id == "causal-lse"
+    out, lse = flashkernel.flash_attn_func(q, k, v, sinks=sinks, return_lse=True, **kwargs)
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    loss = (out * grad_out).sum() + ((lse * grad_lse).sum() if use_lse else 0)
+    got = torch.autograd.grad(loss, (q, k, v, sinks))
+    ref = [x.detach().double().requires_grad_(True) for x in (q, k, v, sinks)]
+    ref_out, ref_lse = reference.attention(*ref[:3], sinks=ref[3], **kwargs)
+    ref_loss = (ref_out * grad_out.double()).sum() + ((ref_lse * grad_lse.double()).sum() if use_lse else 0)
+    want = torch.autograd.grad(ref_loss, ref)
+    _check_grads(got, want, 2e-4)
+
+
+def test_varlen_backward_matches_float64_autograd():
+    cu = torch.tensor([0, 6, 6, 19], dtype=torch.int32, device=DEVICE)
+    q, k, v = _leaves((19, 4, 32), (19, 2, 32), (19, 2, 32))
+    out = flashkernel.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+    ref = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    ref_out, _ = reference.attention_varlen(*ref, cu, cu, causal=True)
+    want = torch.autograd.grad((ref_out * grad_out.double()).sum(), ref)
+    _check_grads(got, want, 2e-4)
+
+
+def test_gradients_only_where_asked_and_none_for_alibi():
+    q, k, v = _leaves((1, 9, 2, 16), (1, 9, 2, 16), (1, 9, 2, 16))
+    slopes = torch.rand(2, device=DEVICE, requires_grad=True)
+    k_frozen = k.detach()
+    out = flashkernel.flash_attn_func(q, k_frozen, v, alibi_slopes=slopes.detach(), causal=True)
+    out.sum().backward()
+    assert q.grad is not None and v.grad is not None and k.grad is None
+    with torch.no_grad():
+        assert flashkernel.flash_attn_func(q, k, v).grad_fn is None
+
+
+def test_compiled_training_step_has_no_graph_break():
+    q, k, v = _leaves((1, 9, 2, 16), (1, 9, 2, 16), (1, 9, 2, 16))
+
+    def step(q, k, v):
+        out = flashkernel.flash_attn_func(q, k, v, causal=True)
+        return (out.float() ** 2).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(step(q, k, v), (q, k, v))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_bf16_gpu(dtype):
+    q, k, v = _leaves((2, 1000, 8, 128), (2, 1000, 2, 128), (2, 1000, 2, 128), dtype=dtype)
+    out = flashkernel.flash_attn_func(q, k, v, causal=True)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+    ref = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    ref_out, _ = reference.attention(*ref, causal=True)
+    want = torch.autograd.grad((ref_out * grad_out.double()).sum(), ref)
+    low = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    low_out, _ = reference.attention(*low, causal=True, upcast=False)
+    torch_grads = torch.autograd.grad((low_out * grad_out).sum(), low)
+    for g, w, t in zip(got, want, torch_grads):
+        bound = 2 * (t.double() - w).abs().max().item() + torch.finfo(dtype).eps * w.abs().max().item()
+        assert (g.double() - w).abs().max().item() <= bound
