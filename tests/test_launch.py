@@ -183,3 +183,25 @@ def test_anything_triton_specializes_on_misses_the_cache(fake_launcher, change):
     finally:
         _FakeDriver.active.device = 0
     assert len(kernel.slow) == 2 and not kernel.fast
+
+
+def test_native_launch_packs_parameters_as_tritons_launcher():
+    """Each parameter 8 bytes apart in the kernel's order: pointers (the recorded ones left as
+    slots), integers in their C width, fp32 as its bit pattern, tuples flattened, constexprs
+    skipped, then Triton's two scratch pointers."""
+    import struct
+
+    from flashkernel.kernels import _native
+
+    signature = {"X": "*bf16", "Y": "*fp32", "strides": ("i32", "i64"), "n": "i32", "scale": "fp32",
+                 "one": "constexpr", "BLOCK": "constexpr"}
+    values = (None, 0x1000, (3, -5), 7, 0.5, 1, 64)
+    storage, slots = _native.pack(signature, values, {0: (2, 16)})
+    words = [storage[i:i + 8] for i in range(0, len(storage), 8)]
+    assert len(words) == 6 + 2
+    assert slots == ((0, 2, 16),)
+    assert struct.unpack("<Q", words[1])[0] == 0x1000
+    assert struct.unpack("<i", words[2][:4])[0] == 3 and struct.unpack("<q", words[3])[0] == -5
+    assert struct.unpack("<i", words[4][:4])[0] == 7 and struct.unpack("<f", words[5][:4])[0] == 0.5
+    assert words[6] == words[7] == b"\0" * 8
+    assert _native.pack({"D": "tensordesc<bf16[64, 64]>"}, (None,), {}) is None

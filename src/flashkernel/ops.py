@@ -41,8 +41,15 @@ __all__ = ["fwd_impl", "varlen_fwd_impl", "kvcache_fwd_impl", "check_no_grad"]
 _EMPTY_LSE_SHAPE = (0,)
 
 
-def _lse(want: bool, shape, device) -> torch.Tensor:
-    return allocate(shape if want else _EMPTY_LSE_SHAPE, torch.float32, device)
+def _lse(want: bool, shape, device) -> torch.Tensor | None:
+    return allocate(shape, torch.float32, device) if want else None
+
+
+def _with_empty_lse(results):
+    """An op's ``(out, lse)``: ``lse`` an empty tensor when it was not asked for (ops return
+    tensors; the implementations return None there, which costs no allocation)."""
+    out, lse = results
+    return out, lse if lse is not None else out.new_empty(_EMPTY_LSE_SHAPE, dtype=torch.float32)
 
 
 def on_device(x: torch.Tensor):
@@ -56,12 +63,12 @@ def on_device(x: torch.Tensor):
 
 def fwd_impl(q, k, v, alibi_slopes, sinks, causal: bool, softmax_scale: float, window_left: int,
              window_right: int, softcap: float, return_lse: bool, backend: str):
-    """``flash_attn_func`` after validation: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq] or [0])``."""
+    """``flash_attn_func`` after validation: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq] or None)``."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     out = allocate((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = _lse(return_lse, (batch, num_heads, seqlen_q), q.device)
     with on_device(q):
-        dispatch.prefill(q, k, v, out, lse if return_lse else None, causal=causal, softmax_scale=softmax_scale,
+        dispatch.prefill(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                          window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, backend=backend)
     return out, lse
@@ -70,13 +77,12 @@ def fwd_impl(q, k, v, alibi_slopes, sinks, causal: bool, softmax_scale: float, w
 def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alibi_slopes, sinks,
                     causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                     return_lse: bool, backend: str):
-    """``flash_attn_varlen_func`` after validation: ``(out [total_q, Hq, D], lse [Hq, total_q] or [0])``."""
+    """``flash_attn_varlen_func`` after validation: ``(out [total_q, Hq, D], lse [Hq, total_q] or None)``."""
     total_q, num_heads, head_dim = q.shape
     out = allocate((total_q, num_heads, head_dim), q.dtype, q.device)
     lse = _lse(return_lse, (num_heads, total_q), q.device)
     with on_device(q):
-        dispatch.prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
-                                lse if return_lse else None, causal=causal, softmax_scale=softmax_scale,
+        dispatch.prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, causal=causal, softmax_scale=softmax_scale,
                                 window_size=(window_left, window_right), softcap=softcap,
                                 alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
     return out, lse
@@ -86,12 +92,12 @@ def kvcache_fwd_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cach
                      causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                      num_splits: int, return_lse: bool, backend: str):
     """``flash_attn_with_kvcache`` after validation (appends ``k, v`` in place when given):
-    ``(out [B, T, Hq, D], lse [B, Hq, T] or [0])``."""
+    ``(out [B, T, Hq, D], lse [B, Hq, T] or None)``."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     out = allocate((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = _lse(return_lse, (batch, num_heads, seqlen_q), q.device)
     with on_device(q):
-        dispatch.decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse if return_lse else None,
+        dispatch.decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse,
                         k_new=k, v_new=v, cache_leftpad=cache_leftpad, causal=causal, softmax_scale=softmax_scale,
                         num_splits=num_splits, window_size=(window_left, window_right), softcap=softcap,
                         alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
@@ -120,8 +126,8 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: tor
             sinks: torch.Tensor | None, causal: bool, softmax_scale: float, window_left: int, window_right: int,
             softcap: float, return_lse: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     scalars = (causal, softmax_scale, window_left, window_right, softcap, return_lse, backend)
-    return _cached("fwd", (q, k, v, alibi_slopes, sinks), scalars,
-                   lambda: fwd_impl(q, k, v, alibi_slopes, sinks, *scalars))
+    return _with_empty_lse(_cached("fwd", (q, k, v, alibi_slopes, sinks), scalars,
+                                   lambda: fwd_impl(q, k, v, alibi_slopes, sinks, *scalars)))
 
 
 @_fwd_op.register_fake
@@ -139,10 +145,10 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    window_left: int, window_right: int, softcap: float, return_lse: bool,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     scalars = (causal, softmax_scale, window_left, window_right, softcap, return_lse, backend)
-    return _cached("varlen_fwd", (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks),
-                   (max_seqlen_q, max_seqlen_k) + scalars,
-                   lambda: varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           alibi_slopes, sinks, *scalars))
+    return _with_empty_lse(_cached("varlen_fwd", (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks),
+                                   (max_seqlen_q, max_seqlen_k) + scalars,
+                                   lambda: varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                           max_seqlen_k, alibi_slopes, sinks, *scalars)))
 
 
 @_varlen_fwd_op.register_fake
@@ -162,7 +168,7 @@ def _kvcache_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
     scalars = (causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend)
-    return _cached("kvcache_fwd", tensors, scalars, lambda: kvcache_fwd_impl(*tensors, *scalars))
+    return _with_empty_lse(_cached("kvcache_fwd", tensors, scalars, lambda: kvcache_fwd_impl(*tensors, *scalars)))
 
 
 @_kvcache_fwd_op.register_fake

@@ -43,6 +43,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
+from . import _native
 from ._common import is_interpreted
 
 FAST_LAUNCH = os.environ.get("FLASHKERNEL_FAST_LAUNCH", "1") != "0"
@@ -190,6 +191,7 @@ class Replay:
         self.device = rec.launches[0][3]
         self.launches = tuple(self._launch_template(c, g, v, d) for c, g, v, d in rec.launches)
         del self.everything  # the call's tensors: needed only to read the addresses
+        self.native = self._native_launches(rec)
 
     def _launch_template(self, compiled, grid, values, device):
         if device != self.device:
@@ -216,6 +218,20 @@ class Replay:
                 compiled.packed_metadata)
         return head, list(args), tuple(slots), tuple(descriptors), scratch
 
+    def _native_launches(self, rec):
+        """The launches packed for the C launcher (``_native.py``), or None when one of them does
+        not qualify (then every launch goes through Triton's launcher)."""
+        packed = []
+        for (compiled, grid, _, _), (_, template, slots, descriptors, _) in zip(rec.launches, self.launches):
+            if descriptors:
+                return None
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            launch = _native.launch_for(compiled, grid3, template, {i: (j, offset) for i, j, offset in slots})
+            if launch is None:
+                return None
+            packed.append(launch)
+        return tuple(packed)
+
     def run(self, inputs):
         """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
         recorded device); returns the outputs as the recorded call did."""
@@ -229,6 +245,9 @@ class Replay:
         addresses = [None if x is None else x.data_ptr() for x in inputs]
         addresses += [t.data_ptr() for t in allocated]
         stream = _raw_stream(self.device)
+        if self.native is not None:
+            _native.module().run(stream, addresses, self.native)
+            return tuple([None if j is None else allocated[j] for j in self.outputs])
         for (launch, grid, function, coop, pdl, metadata), template, slots, descriptors, scratch in self.launches:
             args = template.copy()
             for i, j, offset in slots:
