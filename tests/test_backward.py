@@ -541,7 +541,7 @@ def test_recorded_call_replays_gpu():
 
     cache = CallCache()
     first_dout = torch.randn_like(q)
-    cache.record("backward", (first_dout, q, k, v, out, lse, sinks), lambda: run(first_dout))
+    cache.run("backward", (first_dout, q, k, v, out, lse, sinks), lambda: run(first_dout))
     replay = cache.get("backward")
     assert replay is not None
     dout = torch.randn_like(q)

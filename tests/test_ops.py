@@ -339,10 +339,12 @@ def test_fake_launch_replay_takes_integer_addresses(monkeypatch):
     rec = _launch.Recorder((a, b))
     rec.spoiled = False
     rec.add(Compiled(), (3,), (a, 7, b, 0.5), device=0)
+    monkeypatch.setattr(_launch._native, "launch_for", lambda *a: None)
     replay = rec.finish((None,))
     assert replay is not None
     monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_raw_stream", lambda device: 99)
+    monkeypatch.setattr(_launch._native, "launch_for", lambda *a: None)  # Triton's launcher path
     c, d = torch.empty(8), torch.empty(8)
     replay.run((c, d))
     (args,) = calls
@@ -424,3 +426,31 @@ def test_a_replay_keeps_no_tensor_of_its_calls_alive_gpu():
     del out, k_cache, q
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+@pytest.mark.gpu
+def test_paged_decode_takes_gluon_only_under_graph_capture_gpu(monkeypatch):
+    from flashkernel.kernels import dispatch
+
+    gluon = dispatch._gluon_decode_module()
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs(1, 1024, 8, 32, 128, torch.bfloat16, 1, (1000,))
+    if gluon is None or dispatch.decode_refusal("gluon", q, k_cache, v_cache, None,
+                                                dispatch.Variant.of(True)) is not None:
+        pytest.skip("no Gluon decode kernel on this GPU")
+    calls = []
+    attend = gluon.attend
+    monkeypatch.setattr(gluon, "attend", lambda *a, **kw: (calls.append(1), attend(*a, **kw))[1])
+    pages = k_cache.view(-1, 16, 8, 128), v_cache.view(-1, 16, 8, 128)
+    table = torch.arange(64, dtype=torch.int32, device="cuda").view(1, 64)
+    step = lambda: flashkernel.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, block_table=table)  # noqa: E731
+    eager = step()
+    assert calls == []  # eager: the Triton kernel (cheaper launch)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert calls and torch.allclose(out.float(), eager.float(), atol=2e-2)

@@ -51,7 +51,7 @@ def _replay(key, tensors):
         replay = _EAGER_CALLS.get(key)
     except TypeError:
         return None
-    return None if replay is None else replay.run(tensors)
+    return None if replay is None else replay.run(tensors, reuse_scratch=True)
 
 
 def _check_values(validate, index_tensor: torch.Tensor) -> bool:
@@ -492,8 +492,8 @@ def flash_attn_with_kvcache(
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
     key = None
     if _eager(tensors) and validate is not True:
-        key = _key("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend),
-                   window_size, tensors)
+        key = _key("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend,
+                               torch.cuda.is_current_stream_capturing()), window_size, tensors)
         results = _replay(key, tensors)
         if results is not None:
             return results if return_lse else results[0]

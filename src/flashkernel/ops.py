@@ -114,7 +114,7 @@ def _cached(name: str, tensors: tuple, scalars: tuple, run):
     call cache: replayed when a call of the same layouts and scalars ran before (CUDA only)."""
     if not tensors[0].is_cuda:
         return run()
-    key = (name, layouts(tensors), scalars, tuple(map(type, scalars)))
+    key = (name, layouts(tensors), scalars, tuple(map(type, scalars)), torch.cuda.is_current_stream_capturing())
     replay = _OP_CALLS.get(key)
     if replay is not None:
         return replay.run(tensors)

@@ -186,6 +186,10 @@ class Replay:
             raise _NotReplayable("an output was not made by allocate()")  # zeros, a copy
         self.allocations = tuple((tuple(t.shape), t.dtype, t.device) for t in rec.allocations)
         self.num_inputs = len(inputs)
+        # Temporaries (allocations that are not outputs, e.g. split-KV partials): reusable per
+        # stream by eager callers (``run(..., reuse_scratch=True)``).
+        self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
+        self._scratch_by_stream: dict[int, list] = {}
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
         self.everything = inputs + tuple(rec.allocations)
         self.device = rec.launches[0][3]
@@ -232,19 +236,40 @@ class Replay:
             packed.append(launch)
         return tuple(packed)
 
-    def run(self, inputs):
+    def run(self, inputs, reuse_scratch: bool = False):
         """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
-        recorded device); returns the outputs as the recorded call did."""
+        recorded device); returns the outputs as the recorded call did.
+
+        ``reuse_scratch``: keep the temporaries per stream and reuse them in the next run on that
+        stream, instead of allocating them per run. Safe for eager calls: the kernels of one
+        stream run in order, so a run's temporaries are free once its last kernel has read them.
+        Not for CUDA-graph capture (checked here) or graph-pool allocation (the caller's to know:
+        ``torch.compile``'s CUDA graphs want no buffer of theirs kept alive).
+        """
         if _current_device() != self.device:
             with torch.cuda.device(self.device):
-                return self._run(inputs)
-        return self._run(inputs)
+                return self._run(inputs, reuse_scratch)
+        return self._run(inputs, reuse_scratch)
 
-    def _run(self, inputs):
-        allocated = [empty(shape, dtype, device) for shape, dtype, device in self.allocations]
+    def _allocate(self, stream: int, reuse_scratch: bool) -> list:
+        if not (reuse_scratch and self.scratch) or torch.cuda.is_current_stream_capturing():
+            return [empty(shape, dtype, device) for shape, dtype, device in self.allocations]
+        kept = self._scratch_by_stream.get(stream)
+        if kept is None:
+            kept = self._scratch_by_stream[stream] = [empty(*self.allocations[i]) for i in self.scratch]
+        allocated = [None] * len(self.allocations)
+        for i, buffer in zip(self.scratch, kept):
+            allocated[i] = buffer
+        for i, j in enumerate(self.outputs):
+            if j is not None:
+                allocated[j] = empty(*self.allocations[j])
+        return allocated
+
+    def _run(self, inputs, reuse_scratch: bool):
+        stream = _raw_stream(self.device)
+        allocated = self._allocate(stream, reuse_scratch)
         addresses = [None if x is None else x.data_ptr() for x in inputs]
         addresses += [t.data_ptr() for t in allocated]
-        stream = _raw_stream(self.device)
         if self.native is not None:
             _native.module().run(stream, addresses, self.native)
             return tuple([None if j is None else allocated[j] for j in self.outputs])

@@ -12,9 +12,11 @@ Two families, two backends each:
   TMA-compatible caches).
 
 ``backend="auto"`` takes the Gluon kernel where it is supported and the policy wants it (prefill:
-always, it was faster at every measured shape; decode: paged caches at the tuned head dims whose
-work items read at most ``DecodeTuning.gluon_max_item_tokens`` keys, see ``tuned/decode.json``),
-else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
+always, it was faster at every measured shape; decode: while a CUDA graph is being captured,
+paged caches at the tuned head dims whose work items read at most
+``DecodeTuning.gluon_max_item_tokens`` keys, see ``tuned/decode.json``: its GPU time is lower
+there, but its launch encodes two TMA descriptors on the host, which an eager call pays and a
+graph replay does not), else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
 from :func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
 
 The environment is read once, at import (:data:`SETTINGS`): ``FLASHKERNEL_GLUON=0`` keeps
@@ -230,11 +232,10 @@ def decode_refusal(backend: str, q, k_cache, v_cache, block_table, variant: Vari
 
 
 def gluon_decode_wanted(page_size: int, head_dim: int, tokens_per_item: int, tuned: DecodeTuning) -> bool:
-    """The "auto" policy for a call the Gluon decode kernel supports: paged caches at the tuned
-    head dims whose work items (a split of one sequence and KV head) read at most
-    ``tuned.gluon_max_item_tokens`` keys. Contiguous caches stay on the Triton kernel: its eager
-    call costs less host time, which at those shapes was more than the GPU time the Gluon kernel
-    saves (docs/perf-notes.md, "Decode in Gluon")."""
+    """The "auto" policy for a call the Gluon decode kernel supports, under CUDA-graph capture:
+    paged caches at the tuned head dims whose work items (a split of one sequence and KV head)
+    read at most ``tuned.gluon_max_item_tokens`` keys. Contiguous caches stay on the Triton
+    kernel (docs/perf-notes.md, "Decode in Gluon")."""
     return (page_size > 0 and head_dim in tuned.gluon_head_dims
             and tokens_per_item <= tuned.gluon_max_item_tokens)
 
@@ -254,6 +255,8 @@ def decode_backend(backend: str, q, k_cache, v_cache, block_table, variant: Vari
     if backend == "auto":
         if not SETTINGS.gluon or not variant.is_plain or cache_leftpad is not None or interpreted():
             return "triton"  # the cheap tests first: most calls stop here
+        if not torch.cuda.is_current_stream_capturing():
+            return "triton"  # an eager call: the Triton kernel's launch costs less host time
         geometry = triton_decode.CacheGeometry.of(k_cache, block_table)
         if not gluon_decode_wanted(geometry.page_size, q.shape[-1], 0, tuned):
             return "triton"
