@@ -336,20 +336,28 @@ def test_fake_launch_replay_takes_integer_addresses(monkeypatch):
 
     a, b = torch.empty(8), torch.empty(8)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    rec = _launch.Recorder((a, b))
-    rec.spoiled = False
-    rec.add(Compiled(), (3,), (a, 7, b, 0.5), device=0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with _launch.Recorder((a, b)) as rec:
+        rec.spoiled = False
+        out, scratch = _launch.allocate((4,), torch.float32, "cpu"), _launch.allocate((6,), torch.float32, "cpu")
+    rec.add(Compiled(), (3,), (a, 7, b, 0.5, out, scratch[2:]), device=0)
     monkeypatch.setattr(_launch._native, "launch_for", lambda *a: None)
-    replay = rec.finish((None,))
+    replay = rec.finish((out, None))
     assert replay is not None
     monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_raw_stream", lambda device: 99)
     monkeypatch.setattr(_launch._native, "launch_for", lambda *a: None)  # Triton's launcher path
     c, d = torch.empty(8), torch.empty(8)
-    replay.run((c, d))
+    out, none = replay.run((c, d))
+    assert none is None
+    assert out.shape == (4,) and out.dtype == torch.float32
     (args,) = calls
     assert args[:9] == (3, 1, 1, 99, "fn", False, False, None, None)
-    assert args[13:] == (c.data_ptr(), 7, d.data_ptr(), 0.5)
+    assert args[13:17] == (c.data_ptr(), 7, d.data_ptr(), 0.5)
+    assert args[17] == out.data_ptr() and args[18] % 4 == 0  # a view 8 bytes into a temporary
+    replay.run((c, d), reuse_scratch=True)
+    replay.run((c, d), reuse_scratch=True)
+    assert calls[-1][18] == calls[-2][18]  # the temporary kept for the stream
 
 
 # ---- plans ------------------------------------------------------------------------------------

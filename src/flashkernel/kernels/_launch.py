@@ -188,9 +188,9 @@ class Replay:
         self.num_inputs = len(inputs)
         # Temporaries (allocations that are not outputs, e.g. split-KV partials): reusable per
         # stream by eager callers (``run(..., reuse_scratch=True)``).
-        self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
         self._scratch_by_stream: dict[int, list] = {}
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
+        self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
         self.everything = inputs + tuple(rec.allocations)
         self.device = rec.launches[0][3]
         self.launches = tuple(self._launch_template(c, g, v, d) for c, g, v, d in rec.launches)
