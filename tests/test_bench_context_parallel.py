@@ -10,6 +10,7 @@ from pathlib import Path
 import flashkernel
 from flashkernel.bench import context_parallel as cp
 from flashkernel.bench import formulas
+from helpers import needs_interpreter
 
 
 def test_row_derives_tflops_and_speedup():
@@ -22,6 +23,7 @@ def test_row_derives_tflops_and_speedup():
     assert "tflops" not in failed and "boom" in cp._summary_table([row, failed])
 
 
+@needs_interpreter
 def test_cpu_smoke_run(tmp_path):
     out = tmp_path / "cp.json"
     src = str(Path(flashkernel.__file__).resolve().parents[1])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import flashkernel
+from helpers import needs_interpreter
 
 PACKAGE_ROOT = str(Path(flashkernel.__file__).resolve().parents[1])
 API = ("DecodePlan", "KVCache", "VarlenPlan", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
@@ -49,6 +50,7 @@ def test_help_lists_the_api():
         assert name in text
 
 
+@needs_interpreter
 def test_interpreter_can_be_chosen_after_import():
     """TRITON_INTERPRET set after ``import flashkernel`` (before the first call) still works."""
     out = run_python(

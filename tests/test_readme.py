@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import flashkernel
+from helpers import needs_interpreter
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARKER = "<!-- cpu-example"
@@ -21,6 +22,7 @@ def cpu_example() -> str:
     return match.group(1)
 
 
+@needs_interpreter
 def test_readme_cpu_example_runs_and_matches_float64(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(cpu_example())

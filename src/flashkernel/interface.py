@@ -30,10 +30,15 @@ def kernels_interpreted() -> bool:
 
 def _eager(tensors) -> bool:
     """Whether a call may skip the dispatcher: not compiling, plain CUDA tensors, no gradient
-    wanted (then nothing but our own launches can observe the op)."""
+    wanted (then nothing but our own launches can observe the op). Arguments that are not
+    tensors (bad input) say no: validation then names them."""
     q = tensors[0]
-    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and q.is_cuda
-            and not ops.needs_grad(tensors))
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cuda:
+        return False
+    try:
+        return not ops.needs_grad(tensors)
+    except AttributeError:
+        return False
 
 
 def _key(name: str, scalars: tuple, window_size, tensors) -> tuple:

@@ -480,6 +480,62 @@ def check_serving(case: ServingCase, device: str) -> list[CheckRow]:
     return rows
 
 
+# --- plans (one step planned once, run per layer) ------------------------------------------------
+
+
+def check_decode_plan(case: KVCacheCase, device: str, layers: int = 3) -> CheckRow:
+    """``DecodePlan`` made from the first layer's arguments, run for each of ``layers`` layers:
+    against the reference, and equal bit for bit to ``flash_attn_with_kvcache``."""
+    import flashkernel
+
+    layer_inputs = [_kvcache_inputs(case, device) for _ in range(layers)]
+    first = layer_inputs[0]
+    fixed = dict(cache_seqlens=first["cache_seqlens"], block_table=first["block_table"], causal=case.causal,
+                 num_splits=case.num_splits, return_lse=True)
+    plan = flashkernel.DecodePlan(first["q"], first["k_cache"], first["v_cache"], k=first["k"], v=first["v"], **fixed)
+    worst, problems = None, []
+    for inputs in layer_inputs:
+        inputs = {**inputs, "cache_seqlens": first["cache_seqlens"], "block_table": first["block_table"]}
+        caches = (inputs["k_cache"].clone(), inputs["v_cache"].clone())
+        out, lse = plan.run(inputs["q"], caches[0], caches[1], k=inputs["k"], v=inputs["v"])
+        want, _ = flashkernel.flash_attn_with_kvcache(inputs["q"], inputs["k_cache"].clone(), inputs["v_cache"].clone(),
+                                                      k=inputs["k"], v=inputs["v"], **fixed)
+        if not torch.equal(out, want):
+            problems.append("differs from flash_attn_with_kvcache")
+        exact, truth_lse = _kvcache_reference(inputs, case, {}, upcast=True)
+        same_dtype, _ = _kvcache_reference(inputs, case, {}, upcast=False)
+        acc = accuracy.compare(out, whole_truth(exact, same_dtype))
+        worst = acc if worst is None or not acc.ok or (worst.ok and acc.max_err > worst.max_err) else worst
+    return _row_from("DecodePlan", f"{case.label()} x{layers} layers", worst, None, "; ".join(sorted(set(problems))))
+
+
+def check_varlen_plan(case: VarlenCase, device: str, layers: int = 3) -> CheckRow:
+    """``VarlenPlan`` over ``layers`` layers: the reference, and bit-equal to the function."""
+    import flashkernel
+
+    dtype = getattr(torch, case.dtype)
+    cu_q, cu_k = _cumulative(case.seqlens_q, device), _cumulative(case.seqlens_k, device)
+    maxima = (max(case.seqlens_q), max(case.seqlens_k))
+
+    def layer():
+        q = torch.randn(sum(case.seqlens_q), case.heads, case.head_dim, dtype=dtype, device=device)
+        k = torch.randn(sum(case.seqlens_k), case.kv_heads, case.head_dim, dtype=dtype, device=device)
+        return q, k, torch.randn_like(k)
+
+    layer_inputs = [layer() for _ in range(layers)]
+    plan = flashkernel.VarlenPlan(*layer_inputs[0], cu_q, cu_k, *maxima, causal=case.causal)
+    worst, problems = None, []
+    for q, k, v in layer_inputs:
+        out = plan.run(q, k, v)
+        if not torch.equal(out, flashkernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, *maxima, causal=case.causal)):
+            problems.append("differs from flash_attn_varlen_func")
+        exact, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=case.causal)
+        same_dtype, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=case.causal, upcast=False)
+        acc = accuracy.compare(out[None], whole_truth(exact[None], same_dtype[None]))
+        worst = acc if worst is None or not acc.ok or (worst.ok and acc.max_err > worst.max_err) else worst
+    return _row_from("VarlenPlan", f"{case.label()} x{layers} layers", worst, None, "; ".join(sorted(set(problems))))
+
+
 # --- the sweep ---------------------------------------------------------------------------------
 
 DENSE_FUNCTIONS = ("flash_attn_func", "standard_attention")
@@ -526,6 +582,12 @@ def planned_checks(device: str, quick: bool, random_count: int, seed: int) -> li
     if hasattr(flashkernel, "KVCache") and hasattr(flashkernel, "flash_attn_with_kvcache"):
         for case in GPU_SERVING if on_gpu else CPU_SERVING:
             plan.append(("KVCache", case.label(), lambda c=case: check_serving(c, device)))
+    if hasattr(flashkernel, "DecodePlan"):
+        case = next(c for c in kvcache_cases(on_gpu, quick) if not c.variant)
+        plan.append(("DecodePlan", case.label(), lambda c=case: check_decode_plan(c, device)))
+    if hasattr(flashkernel, "VarlenPlan"):
+        case = next(c for c in varlen_cases(on_gpu, quick) if not c.variant)
+        plan.append(("VarlenPlan", case.label(), lambda c=case: check_varlen_plan(c, device)))
     return plan
 
 

@@ -16,7 +16,7 @@ shared memory.
 ``FLASHKERNEL_TUNING_FILE=path.json`` merges a file of the same format over the shipped one
 (per GPU key and section), e.g. one written by :func:`save_autotuned`.
 
-Autotuning is opt-in: with ``FLASHKERNEL_AUTOTUNE=1``, the first plain (no variant, not
+Autotuning is opt-in: with ``FLASHKERNEL_AUTOTUNE=1`` in the environment (read at import), the first plain (no variant, not
 packed) Triton-kernel prefill call of each (device, head dim, dtype, load path, causal) class
 times :data:`CANDIDATES` on the call's own tensors (``triton.testing.do_bench`` medians) and
 keeps the fastest for the rest of the process: that first call's shape decides for its class.
@@ -160,8 +160,11 @@ def gluon_rule(name: str, arch: str, head_dim: int, causal: bool, seqlen_k: int)
 _AUTOTUNED: dict[tuple, TileConfig] = {}
 
 
+AUTOTUNE = os.environ.get(AUTOTUNE_ENV, "0") == "1"  # read once, at import
+
+
 def autotune_enabled() -> bool:
-    return os.environ.get(AUTOTUNE_ENV, "0") == "1"
+    return AUTOTUNE
 
 
 def autotuned(key: tuple) -> TileConfig | None:
