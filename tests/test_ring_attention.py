@@ -231,7 +231,7 @@ GPU_CASES = [
     Case("contiguous-causal-bf16", dtype=torch.bfloat16, layout="contiguous", chunk=700, heads=4, head_dim=96),
     Case("zigzag-window-bf16", dtype=torch.bfloat16, chunk=512, heads=4, head_dim=128, window=(300, -1)),
     Case("zigzag-sinks-softcap-fp16", chunk=256, heads=4, head_dim=64, sinks=True, softcap=30.0),
-    Case("zigzag-causal-d256-fp32", dtype=torch.float32, chunk=128, heads=2, head_dim=256),
+    Case("zigzag-causal-d256-fp32", dtype=torch.float32, chunk=128, heads=2, kv_heads=1, head_dim=256),
     Case("varlen-zigzag-causal-bf16", dtype=torch.bfloat16, varlen_chunks=(100, 3, 257, 0, 64), heads=8,
          kv_heads=2, head_dim=128),
     Case("varlen-contiguous-full-fp16", causal=False, layout="contiguous", varlen_chunks=(300, 17), heads=4,
