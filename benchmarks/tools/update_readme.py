@@ -3,15 +3,104 @@
     PYTHONPATH=src python benchmarks/tools/update_readme.py benchmarks/results/h200
 
 Replaces what stands between ``<!-- results:start -->`` and ``<!-- results:end -->`` with the
-output of ``flashkernel report DIR --markdown``; the tables are never typed by hand.
+output of ``flashkernel report DIR --markdown``, and between ``<!-- callcost:start -->`` /
+``<!-- training:start -->`` and their ends with tables made here from ``overhead.json``
+(``flashkernel bench overhead``), ``backward.json`` (``python -m flashkernel.bench.backward``) and
+``../h200x2/context_parallel.json`` (``torchrun ... -m flashkernel.bench.context_parallel``); the
+tables are never typed by hand.
 """
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def _replace(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"README.md has no {start} ... {end} section")
+    return re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
+
+
+def call_cost_table(results: Path) -> str:
+    """Decode and prefill call cost from ``overhead.json`` (and the build before the op layer from
+    ``overhead-before-*.json`` when present): eager wall and host time per call against cuDNN."""
+    rows = json.loads((results / "overhead.json").read_text())["rows"]
+    before = {}
+    for path in results.glob("overhead-before-*.json"):
+        for r in json.loads(path.read_text())["rows"]:
+            if r["provider"] == "flashkernel":
+                before[(r["workload"], r.get("batch"), r.get("context"), r.get("page_size"), r.get("head_dim"),
+                        r.get("seqlen"), r.get("causal"))] = r
+
+    def key(r):
+        return (r["workload"], r.get("batch"), r.get("context"), r.get("page_size"), r.get("head_dim"), r.get("seqlen"),
+                r.get("causal"))
+
+    by = {(r["provider"], key(r)): r for r in rows if r["workload"] != "compiled"}
+    lines = ["Decode step (32 query / 8 KV heads, head dim 128, one new token), microseconds per call: eager "
+             "wall time of back-to-back calls / host time; GPU time from CUDA-graph replays.", "",
+             "| batch | context | cache | flashkernel wall / host | plan.run wall / host | before: wall / host | "
+             "cuDNN wall / host | GPU flashkernel / cuDNN |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if r["workload"] != "decode" or r["provider"] != "flashkernel":
+            continue
+        k = key(r)
+        plan = by.get(("flashkernel_plan_run", k))
+        cudnn = by.get(("sdpa_cudnn", ("decode", k[1], k[2], 0, None, None, None)))
+        old = before.get(k)
+        cell = lambda x: "-" if x is None else f"{x['wall_us']:.1f} / {x['host_us']:.1f}"  # noqa: E731
+        lines.append(f"| {k[1]} | {k[2]} | {'pages of ' + str(k[3]) if k[3] else 'contiguous'} | {cell(r)} | "
+                     f"{cell(plan)} | {cell(old)} | {cell(cudnn)} | {r['gpu_us']:.1f} / {cudnn['gpu_us']:.1f} |")
+    prefill = [(r, by.get(("sdpa_cudnn", key(r)))) for r in rows if r["workload"] == "prefill"
+               and r["provider"] == "flashkernel"]
+    ratios = [r["wall_us"] / c["wall_us"] for r, c in prefill if c]
+    hosts = [r["host_us"] for r, _ in prefill]
+    old_hosts = [before[key(r)]["host_us"] for r, _ in prefill if key(r) in before]
+    lines += ["", f"Prefill (16k tokens per batch, model dim 2048, seqlen 512 to 2048, head dim 64/128/256, causal "
+              f"or not, {len(prefill)} shapes): eager wall time {min(ratios):.2f}x to {max(ratios):.2f}x of cuDNN's; "
+              f"host time {min(hosts):.0f} to {max(hosts):.0f} us per call"
+              + (f" (before: {min(old_hosts):.0f} to {max(old_hosts):.0f})." if old_hosts else ".")]
+    compiled = [r for r in rows if r["workload"] == "compiled" and "step_us" in r]
+    if compiled:
+        lines += ["", "A 32-layer attention-only decode loop (append + attend per layer, context 1k), time per step:",
+                  "", "| batch | eager | torch.compile | torch.compile reduce-overhead |", "| ---: | ---: | ---: | ---: |"]
+        for batch in sorted({r["batch"] for r in compiled}):
+            step = {r["provider"]: r["step_us"] for r in compiled if r["batch"] == batch}
+            lines.append(f"| {batch} | {step.get('flashkernel_eager', 0) / 1e3:.2f} ms | "
+                         f"{step.get('flashkernel_compiled', 0) / 1e3:.2f} ms | "
+                         f"{step.get('flashkernel_reduce-overhead', 0) / 1e3:.2f} ms |")
+    return "\n".join(lines)
+
+
+def training_table(results: Path) -> str:
+    """Backward TFLOP/s against SDPA's FA2 and cuDNN (``backward.json``), and ring attention on
+    two GPUs (``../h200x2/context_parallel.json``) when present."""
+    rows = json.loads((results / "backward.json").read_text())["rows"]
+    lines = ["Backward (bf16, 16k tokens per batch, model dim 2048; FLOPs = 2.5 x forward), TFLOP/s:", "",
+             "| head dim | mask | seqlen | flashkernel | SDPA FA2 | SDPA cuDNN | vs FA2 | vs cuDNN |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['head_dim']} | {'causal' if r['causal'] else 'none'} | {r['seqlen']} | "
+                     f"{r['flashkernel_tflops']:.0f} | {r['sdpa-flash_tflops']:.0f} | {r['sdpa-cudnn_tflops']:.0f} | "
+                     f"{r['vs_sdpa-flash']:.2f}x | {r['vs_sdpa-cudnn']:.2f}x |")
+    cp = results.parent / "h200x2" / "context_parallel.json"
+    if cp.exists():
+        cp_rows = json.loads(cp.read_text())["rows"]
+        lines += ["", "Ring attention, causal prefill on 2 H200s (bf16, 32 heads x 128), milliseconds (x 1 GPU):", "",
+                  "| tokens | flashkernel 1 GPU | flashkernel ring, 2 GPUs | PyTorch context_parallel (cuDNN), 2 GPUs |",
+                  "| ---: | ---: | ---: | ---: |"]
+        for seqlen in sorted({r["seqlen"] for r in cp_rows}):
+            got = {r["provider"]: r for r in cp_rows if r["seqlen"] == seqlen and r.get("status") == "ok"}
+            cell = lambda name: (f"{got[name]['median_ms']:.0f} ({got[name]['speedup_vs_1gpu']:.2f}x)"  # noqa: E731
+                                 if name in got else "-")
+            lines.append(f"| {seqlen // 1024}k | {cell('flashkernel-1gpu')} | {cell('flashkernel-ring')} | "
+                         f"{cell('torch-cp-cudnn-allgather')} |")
+    return "\n".join(lines)
 
 
 def main(results_dir: str) -> int:
@@ -24,7 +113,13 @@ def main(results_dir: str) -> int:
     if START not in text or END not in text:
         raise SystemExit(f"{readme} has no {START} ... {END} section")
     body = f"{START}\n{report}\n{END}"
-    readme.write_text(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: body, text, flags=re.S))
+    text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: body, text, flags=re.S)
+    results = Path(results_dir)
+    if (results / "overhead.json").exists():
+        text = _replace(text, "callcost", call_cost_table(results))
+    if (results / "backward.json").exists():
+        text = _replace(text, "training", training_table(results))
+    readme.write_text(text)
     print(f"updated {readme} from {results_dir}")
     return 0
 
