@@ -89,6 +89,21 @@ def _hopper_refusal(x: torch.Tensor) -> str | None:
     return None
 
 
+def _gluon_refusal(q: torch.Tensor, gluon) -> str | None:
+    """What every Gluon kernel needs: a Hopper GPU, Gluon itself (the module ``gluon``, None
+    when it cannot be imported), bf16/fp16 and one of its head dims."""
+    reason = _hopper_refusal(q)
+    if reason is not None:
+        return reason
+    if gluon is None:
+        return "triton.experimental.gluon (Triton 3.6) could not be imported"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it needs bfloat16 or float16 inputs, got {q.dtype}"
+    if q.shape[-1] not in gluon.HEAD_DIMS:
+        return f"it supports head dims {', '.join(map(str, gluon.HEAD_DIMS))}, got {q.shape[-1]}"
+    return None
+
+
 def _refuse(backend: str, reason: str | None) -> None:
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run this call: {reason}; use backend='auto' or 'triton'")
@@ -106,16 +121,10 @@ def prefill_refusal(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return "packed sequences (flash_attn_varlen_func) run on the Triton kernel only"
     if not variant.is_plain:
         return "the Gluon prefill kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
-    reason = _hopper_refusal(q)
+    gluon = _gluon_prefill_module()
+    reason = _gluon_refusal(q, gluon)
     if reason is not None:
         return reason
-    gluon = _gluon_prefill_module()
-    if gluon is None:
-        return "triton.experimental.gluon (Triton 3.6) could not be imported"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"it needs bfloat16 or float16 inputs, got {q.dtype}"
-    if q.shape[-1] not in gluon.HEAD_DIMS:
-        return f"it supports head dims {', '.join(map(str, gluon.HEAD_DIMS))}, got {q.shape[-1]}"
     if not gluon.supported(q, k, v):
         return ("it needs TMA-compatible tensors: 16-byte aligned base addresses and strides, a "
                 "contiguous last dim, no broadcast dims")
@@ -208,16 +217,10 @@ def decode_refusal(backend: str, q, k_cache, v_cache, block_table, variant: Vari
         return "the Gluon decode kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
     if cache_leftpad is not None:
         return "the Gluon decode kernel has no per-sequence key start (cache_leftpad)"
-    reason = _hopper_refusal(q)
+    gluon = _gluon_decode_module()
+    reason = _gluon_refusal(q, gluon)
     if reason is not None:
         return reason
-    gluon = _gluon_decode_module()
-    if gluon is None:
-        return "triton.experimental.gluon (Triton 3.6) could not be imported"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"it needs bfloat16 or float16 inputs, got {q.dtype}"
-    if q.shape[-1] not in gluon.HEAD_DIMS:
-        return f"it supports head dims {', '.join(map(str, gluon.HEAD_DIMS))}, got {q.shape[-1]}"
     rows = q.shape[2] // k_cache.shape[2] * q.shape[1]
     if rows > gluon.BLOCK_M:
         return (f"it computes at most {gluon.BLOCK_M} rows per KV head (GQA group x new tokens), this call "
