@@ -159,19 +159,33 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("flashkernel::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
-def _kvcache_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
-                    v: torch.Tensor | None, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                    cache_leftpad: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
-                    sinks: torch.Tensor | None, causal: bool, softmax_scale: float, window_left: int,
-                    window_right: int, softcap: float, num_splits: int, return_lse: bool,
-                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+# The cache op is defined with torch.library.Library rather than custom_op: custom_op wraps an op
+# that mutates its arguments in a Python kernel that rebinds every argument against the schema to
+# bump the version counters of the mutated ones (12x the dispatch of the same schema defined here;
+# docs/perf-notes.md, "Compiled decode"), and a compiled model pays that per layer. Here the
+# implementation bumps the two counters itself.
+_LIBRARY = torch.library.Library("flashkernel", "FRAGMENT")
+_LIBRARY.define(
+    "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens, "
+    "Tensor? block_table, Tensor? cache_leftpad, Tensor? alibi_slopes, Tensor? sinks, bool causal, "
+    "float softmax_scale, int window_left, int window_right, float softcap, int num_splits, bool return_lse, "
+    "str backend) -> (Tensor, Tensor)")
+
+
+def _kvcache_fwd_op(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                    causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend):
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
     scalars = (causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend)
+    if k is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
     return _with_empty_lse(_cached("kvcache_fwd", tensors, scalars, lambda: kvcache_fwd_impl(*tensors, *scalars)))
 
 
-@_kvcache_fwd_op.register_fake
+for _device_type in ("CPU", "CUDA"):
+    _LIBRARY.impl("kvcache_fwd", _kvcache_fwd_op, _device_type)
+
+
+@torch.library.register_fake("flashkernel::kvcache_fwd", lib=_LIBRARY)
 def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
                       causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend):
     batch, seqlen_q, num_heads, _ = q.shape
