@@ -42,9 +42,27 @@ def _run_case(case: dict, rank: int, world: int, device) -> dict:
         result = ring_flash_attn_varlen_func(q, k, v, cu_local, max_local, **kwargs)
     else:
         q, k, v = (shard(case[name], rank, world, layout=layout).to(device) for name in ("q", "k", "v"))
+        if "dout" in case:
+            return _run_grad_case(case, q, k, v, kwargs, rank, world, device)
         result = ring_flash_attn_func(q, k, v, **kwargs)
     out, lse = result if kwargs.get("return_lse") else (result, None)
     return {"out": out.cpu(), "lse": None if lse is None else lse.cpu()}
+
+
+def _run_grad_case(case: dict, q, k, v, kwargs: dict, rank: int, world: int, device) -> dict:
+    """Forward and backward of ``(out * dout).sum() (+ (lse * dlse).sum())`` on this rank's shard."""
+    layout = kwargs["layout"]
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    sinks = kwargs["sinks"] = kwargs["sinks"].requires_grad_() if kwargs["sinks"] is not None else None
+    out, lse = ring_flash_attn_func(*leaves, **{**kwargs, "return_lse": True})
+    dout = shard(case["dout"], rank, world, layout=layout).to(device)
+    loss = (out.double() * dout.double()).sum()
+    if "dlse" in case:
+        loss = loss + (lse.double() * shard(case["dlse"], rank, world, dim=2, layout=layout).to(device).double()).sum()
+    loss.backward()
+    grads = {name: x.grad.cpu() for name, x in zip(("dq", "dk", "dv"), leaves)}
+    return {"out": out.detach().cpu(), "lse": lse.detach().cpu() if kwargs.get("return_lse") else None,
+            "dsinks": None if sinks is None else sinks.grad.cpu(), **grads}
 
 
 def _run_error_case(case: dict, device) -> dict:

@@ -170,6 +170,7 @@ class Case:
     softmax_scale: float | None = None
     return_lse: bool = True
     varlen_chunks: tuple[int, ...] | None = None  # packed: sequence b has varlen_chunks[b] chunks
+    grad: bool = False  # also the gradients of (out * dout).sum() (+ (lse * dlse).sum() with return_lse)
 
     def inputs(self, world: int, device) -> dict:
         kwargs = dict(causal=self.causal, layout=self.layout, softcap=self.softcap,
@@ -185,6 +186,10 @@ class Case:
             extra = {"cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)}
         q = torch.randn(*rows, self.heads, self.head_dim, dtype=self.dtype, device=device)
         k = torch.randn(*rows, self.kv_heads, self.head_dim, dtype=self.dtype, device=device)
+        if self.grad:
+            extra["dout"] = torch.randn_like(q)
+            if self.return_lse:
+                extra["dlse"] = torch.randn(rows[0], self.heads, rows[1], device=device)
         return {"q": q, "k": k, "v": torch.randn_like(k), "kwargs": kwargs, **extra}
 
 
@@ -223,6 +228,21 @@ CPU_CASES_4 = [
     Case("varlen-zigzag-causal", varlen_chunks=(2, 1, 3), kv_heads=1),
     Case("varlen-contiguous-full-softcap-sinks", layout="contiguous", causal=False, varlen_chunks=(1, 3),
          softcap=2.0, sinks=True, dtype=torch.float32),
+]
+CPU_GRAD_CASES_2 = [
+    Case("grad-zigzag-causal-sinks-lse", grad=True, dtype=torch.float32, sinks=True),
+    Case("grad-contiguous-full-gqa", grad=True, layout="contiguous", causal=False, kv_heads=2, return_lse=False),
+    Case("grad-zigzag-window-softcap", grad=True, dtype=torch.float32, window=(6, -1), softcap=2.0, batch=2,
+         chunk=5),
+]
+CPU_GRAD_CASES_4 = [
+    Case("grad-zigzag-causal-gqa", grad=True, chunk=4, kv_heads=2, dtype=torch.float32),
+]
+GPU_GRAD_CASES = [
+    Case("grad-zigzag-causal-bf16", grad=True, dtype=torch.bfloat16, chunk=512, heads=8, kv_heads=2, head_dim=128,
+         return_lse=False),
+    Case("grad-zigzag-window-sinks-fp16", grad=True, chunk=256, heads=4, head_dim=64, window=(300, -1),
+         sinks=True),
 ]
 GPU_CASES = [
     Case("zigzag-causal-bf16", dtype=torch.bfloat16, chunk=512, heads=8, kv_heads=2, head_dim=128, batch=2),
@@ -263,6 +283,8 @@ def _error_cases(world: int) -> dict:
                                 ValueError, rf"sequence 0 has 3 local tokens.*2 x {world}"),
         "varlen-max-seqlen": ((packed, packed, packed, cu, 2), {}, ValueError,
                               r"max_seqlen is 2 but sequence 1 has 4 local tokens"),
+        "varlen-grad": ((packed.clone().requires_grad_(), packed, packed, cu, 4), {}, RuntimeError,
+                        r"ring_flash_attn_varlen_func has no backward, and q requires grad"),
         "varlen-cu-end": ((packed, packed, packed, torch.tensor([0, 2, 4], dtype=torch.int32), 4), {}, ValueError,
                           r"end at the number of local tokens \(6\)"),
     }
@@ -304,22 +326,22 @@ def _to_cpu(case: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def cpu_ring_2():
-    return _ring_results(2, "gloo", CPU_CASES_2, "cpu")
+    return _ring_results(2, "gloo", CPU_CASES_2 + CPU_GRAD_CASES_2, "cpu")
 
 
 @pytest.fixture(scope="module")
 def cpu_ring_4():
-    return _ring_results(4, "gloo", CPU_CASES_4, "cpu")
+    return _ring_results(4, "gloo", CPU_CASES_4 + CPU_GRAD_CASES_4, "cpu")
 
 
 @pytest.fixture(scope="module")
 def gpu_ring_2():
-    return _ring_results(2, "nccl", GPU_CASES, "cuda")
+    return _ring_results(2, "nccl", GPU_CASES + GPU_GRAD_CASES, "cuda")
 
 
 @pytest.fixture(scope="module")
 def gpu_ring_4():
-    return _ring_results(4, "nccl", GPU_CASES, "cuda")
+    return _ring_results(4, "nccl", GPU_CASES + GPU_GRAD_CASES, "cuda")
 
 
 def _check_case(results: dict, case: Case) -> None:
@@ -341,6 +363,51 @@ def _check_case(results: dict, case: Case) -> None:
                                          return_lse=True, **variant)
     truth, _ = reference.attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, **variant)
     _assert_matches_single(out, lse, single, single_lse, truth)
+    if case.grad:
+        _check_grads(world, inputs, shards, case)
+
+
+def _dense_grads(attention, q, k, v, sinks, dout, dlse) -> dict:
+    """Gradients of ``(out * dout).sum() (+ (lse * dlse).sum())`` for ``attention(q, k, v, sinks)
+    -> (out, lse)``, on leaf copies of the inputs."""
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in (q, k, v, sinks)]
+    out, lse = attention(*leaves)
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse.double() * dlse.double()).sum()
+    loss.backward()
+    return {name: x.grad for name, x in zip(("dq", "dk", "dv", "dsinks"), leaves) if x is not None}
+
+
+def _check_grads(world: int, inputs: dict, shards: list, case: Case) -> None:
+    """The ring's gradients (each rank's shard; the sinks' summed over ranks) against one
+    process's flash_attn_func backward on the gathered tensors, within twice that backward's own
+    distance from the float64 gradients (plus a few units of the dtype)."""
+    q, k, v, sinks = inputs["q"], inputs["k"], inputs["v"], inputs["kwargs"]["sinks"]
+    dout, dlse = inputs["dout"], inputs.get("dlse")
+    options = dict(causal=case.causal, softmax_scale=case.softmax_scale, window_size=case.window,
+                   softcap=case.softcap, return_lse=True)
+    single = _dense_grads(lambda *x: flash_attn_func(*x[:3], sinks=x[3], **options), q, k, v, sinks, dout, dlse)
+    truth = _dense_grads(lambda *x: reference.attention(*x[:3], sinks=x[3], **{
+        key: val for key, val in options.items() if key != "return_lse"}),
+        *(None if x is None else x.double() for x in (q, k, v, sinks)), dout, dlse)
+    device = q.device
+    for name in ("dq", "dk", "dv"):
+        ring = unshard([s[name].to(device) for s in shards], world, layout=case.layout)
+        _assert_grad_matches_single(name, ring, single[name], truth[name])
+    if sinks is not None:
+        ring_dsinks = sum(s["dsinks"].to(device).double() for s in shards).to(single["dsinks"].dtype)
+        _assert_grad_matches_single("dsinks", ring_dsinks, single["dsinks"], truth["dsinks"])
+
+
+def _assert_grad_matches_single(name, ring, single, truth) -> None:
+    assert ring.shape == single.shape and ring.dtype == single.dtype, (name, ring.shape, ring.dtype)
+    assert not ring.isnan().any(), f"{name} has NaNs"
+    scale = max(1.0, single.abs().max().item())
+    single_err = (single.double() - truth).abs().max().item()
+    bound = 8 * torch.finfo(single.dtype).eps * scale + 2 * single_err
+    diff = (ring.double() - single.double()).abs()
+    assert diff.max().item() <= bound, f"{name}: {describe_mismatch(diff, bound)}"
 
 
 def _check_varlen_case(world: int, inputs: dict, shards: list, case: Case) -> None:
@@ -398,6 +465,18 @@ def test_ring_two_ranks_cpu(cpu_ring_2, case):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU (gloo) ring runs where there is no GPU")
+@pytest.mark.parametrize("case", CPU_GRAD_CASES_2, ids=lambda c: c.name)
+def test_ring_backward_two_ranks_cpu(cpu_ring_2, case):
+    _check_case(cpu_ring_2, case)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU (gloo) ring runs where there is no GPU")
+@pytest.mark.parametrize("case", CPU_GRAD_CASES_4, ids=lambda c: c.name)
+def test_ring_backward_four_ranks_cpu(cpu_ring_4, case):
+    _check_case(cpu_ring_4, case)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU (gloo) ring runs where there is no GPU")
 @pytest.mark.parametrize("case", CPU_CASES_4, ids=lambda c: c.name)
 def test_ring_four_ranks_cpu(cpu_ring_4, case):
     _check_case(cpu_ring_4, case)
@@ -418,6 +497,13 @@ def test_ring_two_gpus(gpu_ring_2, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("case", GPU_GRAD_CASES, ids=lambda c: c.name)
+def test_ring_backward_two_gpus(gpu_ring_2, case):
+    _check_case(gpu_ring_2, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("name", ERROR_NAMES)
 def test_ring_errors_two_gpus(gpu_ring_2, name):
     _check_error(gpu_ring_2, name)
@@ -425,6 +511,6 @@ def test_ring_errors_two_gpus(gpu_ring_2, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", GPU_CASES + GPU_GRAD_CASES, ids=lambda c: c.name)
 def test_ring_four_gpus(gpu_ring_4, case):
     _check_case(gpu_ring_4, case)

@@ -1,4 +1,4 @@
-"""Ring attention over a ``torch.distributed`` process group (context parallelism), forward.
+"""Ring attention over a ``torch.distributed`` process group (context parallelism).
 
 Each of the ``W`` ranks of a group holds a shard of the sequence (``layout.py``): its queries,
 keys and values ``[B, S / W, H, D]``. The keys and values travel round the ring: at step ``s``
@@ -52,18 +52,12 @@ Variants
   the dense plan (:class:`VarlenRing`). Windows are refused there: their calls would be trimmed
   per sequence length.
 
-Backward (planned, not implemented here)
-----------------------------------------
-The forward keeps what a ring backward needs: the inputs, the output and the final LSE (always
-computed in float32, also when ``return_lse=False``, so an ``autograd.Function`` can save it); the
-per-step outputs are not needed, because the FlashAttention backward of a block recomputes its
-probabilities from the *final* LSE (``p = exp(s - lse)``) and uses ``delta = rowsum(dO * O)``
-of the final output. The backward runs the same ring with the same ``plan_step`` pieces per
-step (the plan depends only on (rank, source rank, mask)): each piece's block backward adds to
-the local ``dq`` (float32) and to ``dk``, ``dv`` accumulators that travel with the keys and
-values; after ``W`` steps one more hop returns them to their owners. Softcap is handled inside
-the block kernel; a sink's gradient is ``-sum_i exp(sink - lse_i) * delta_i``, summed over the
-local rows and all-reduced over the group.
+Backward
+--------
+Dense calls whose inputs require grad run through an ``autograd.Function`` that saves the
+inputs, the output and the final LSE (computed in float32 whether or not it is returned); its
+backward runs the ring again (``backward.py``). Packed calls (:func:`ring_flash_attn_varlen_func`)
+have no backward: inputs that require grad get a clear error.
 """
 
 from __future__ import annotations
@@ -75,9 +69,10 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .. import _checks
+from .. import _checks, ops
 from ..interface import flash_attn_func, flash_attn_varlen_func, kernels_interpreted
 from . import layout as layouts
+from .backward import dense_backward
 from .plan import Band, Piece, plan_step
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func"]
@@ -401,7 +396,8 @@ def ring_flash_attn_func(
 
     Returns:
         ``out [batch, seqlen / W, num_heads, head_dim]`` in q's dtype, in the shard's token
-        order, and with ``return_lse=True`` also ``lse``. Forward only (no autograd).
+        order, and with ``return_lse=True`` also ``lse``. Differentiable: gradients flow to q, k, v
+        and sinks (each rank gets its shard's; a sink's gradient is this rank's contribution).
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -412,8 +408,32 @@ def ring_flash_attn_func(
     """
     spec = prepare_dense(q, k, v, group, causal, softmax_scale, window_size, softcap, alibi_slopes,
                          sinks, return_lse, layout)
-    out, lse = dense_forward(spec, q, k, v).finish(q.dtype, sinks)
+    if ops.needs_grad((q, k, v, sinks)):
+        out, lse = _RingAttention.apply(q, k, v, sinks, spec)
+    else:
+        out, lse = dense_forward(spec, q, k, v).finish(q.dtype, sinks)
     return (out, lse) if return_lse else out
+
+
+class _RingAttention(torch.autograd.Function):
+    """The dense ring with its backward (``backward.py``): saves the inputs, the output and the
+    final LSE, as the single-device op does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, spec):
+        out, lse = dense_forward(spec, q, k, v).finish(q.dtype, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dsinks = dense_backward(ctx.spec, q, k, v, out, lse, dout, dlse, sinks)
+        return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype), None
 
 
 # --- packed sequences -------------------------------------------------------------------------------
@@ -564,7 +584,8 @@ def ring_flash_attn_varlen_func(
 
     Returns:
         ``out [total / W, num_heads, head_dim]`` in q's dtype, and with ``return_lse=True`` also
-        ``lse [num_heads, total / W]`` float32, in the shard's row order. Forward only.
+        ``lse [num_heads, total / W]`` float32, in the shard's row order. Forward only: inputs
+        that require grad raise a RuntimeError.
     """
     _check_distributed(group)
     _check_no_alibi(alibi_slopes)
@@ -579,6 +600,7 @@ def ring_flash_attn_varlen_func(
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q holds {q.shape[0]} tokens and k {k.shape[0]}: ring attention shards one packed "
                          "batch (self-attention), so q, k and v hold the same rows")
+    ops.check_no_grad("ring_varlen", (("q", q), ("k", k), ("v", v), ("sinks", sinks)), "ring_flash_attn_varlen_func")
     ring = Ring(group, q.device)
     lengths = _local_lengths(cu_seqlens, q.shape[0], max_q, ring.world, layout)
     total, num_heads, head_dim = q.shape
