@@ -23,20 +23,23 @@ def test_row_derives_tflops_and_speedup():
     assert "tflops" not in failed and "boom" in cp._summary_table([row, failed])
 
 
-@needs_interpreter
-def test_cpu_smoke_run(tmp_path):
-    out = tmp_path / "cp.json"
+def _smoke_run(out: Path, *extra: str) -> dict:
+    """The benchmark under torchrun on 2 CPU ranks at a tiny shape; its JSON."""
     src = str(Path(flashkernel.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "flashkernel.bench.context_parallel", "--cpu", "--seqlens", "16", "--heads", "2",
-               "--head-dim", "16", "--dtype", "float16", "--providers", "ring", "single", "torch-cp",
-               "--torch-backends", "flash", "--target-s", "0", "--min-reps", "1", "--max-reps", "1",
-               "--out", str(out)]
+               "--head-dim", "16", "--dtype", "float16", "--torch-backends", "flash", "--target-s", "0",
+               "--min-reps", "1", "--max-reps", "1", "--out", str(out), *extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@needs_interpreter
+def test_cpu_smoke_run(tmp_path):
+    doc = _smoke_run(tmp_path / "cp.json", "--providers", "ring", "single", "torch-cp")
     rows = {row["provider"]: row for row in doc["rows"]}
     assert rows["flashkernel-1gpu"]["status"] == "ok"
     ring = rows["flashkernel-ring"]
@@ -44,3 +47,15 @@ def test_cpu_smoke_run(tmp_path):
     assert 0.0 <= ring["hidden_fraction"] <= 1.0 and len(ring["per_step_ms"]["overlapped"]) == 2
     assert rows["torch-cp-flash-allgather"]["status"] in ("ok", "error")  # CPU SDPA has no CP rule
     assert doc["environment"]["world_size"] == 2 and "--cpu" in doc["environment"]["command"]
+
+
+@needs_interpreter
+def test_cpu_smoke_run_with_backward(tmp_path):
+    doc = _smoke_run(tmp_path / "cp.json", "--providers", "ring", "single", "--backward")
+    rows = {row["provider"]: row for row in doc["rows"]}
+    for provider in ("flashkernel-1gpu", "flashkernel-ring"):
+        row = rows[provider]
+        assert row["status"] == "ok" and row["pass"] == "forward+backward", row
+        assert row["flops"] == int(formulas.attention_flops(1, 2, 16, 16, 16, True) * cp.BACKWARD_FLOPS_FACTOR)
+    assert rows["flashkernel-ring"]["max_abs_diff_vs_1gpu"] < 1e-2
+    assert "hidden_fraction" not in rows["flashkernel-ring"]  # no overlap breakdown for the backward

@@ -29,6 +29,11 @@ against the local block with no transfers (``compute``), and with only the ``W -
 and ``hidden_fraction = 1 - exposed / comm``. Per-step times come from CUDA events at each step's
 start (``run_ring``'s ``on_step``).
 
+Training (``--backward``): each provider is timed for the forward and the backward of
+``(out * dout).sum()`` (gradients for q, k and v, ``torch.autograd.grad``); TFLOP/s then count
+3.5x the forward's FLOPs (the backward's 2.5x, as FlashAttention counts it), and the overlap
+breakdown is skipped.
+
 Correctness: the ring's output is compared with the single-GPU output (max |difference|, after
 gathering the shards) and each PyTorch provider's with the ring's (shard by shard).
 
@@ -79,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-reps", type=int, default=10)
     parser.add_argument("--target-s", type=float, default=3.0, help="seconds of repetitions per measurement")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the compute-only / comm-only runs")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward (gradients for q, k, v) instead of the forward alone")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (written by rank 0)")
     parser.add_argument("--cpu", action="store_true",
@@ -195,6 +202,25 @@ def _bytes(*shapes_and_dtypes) -> int:
 # --- providers ----------------------------------------------------------------------------------
 
 
+BACKWARD_FLOPS_FACTOR = 3.5  # forward + backward (2.5x the forward), as FlashAttention counts them
+
+
+def timed_call(args, attention, q, k, v):
+    """The call a provider times: ``attention(q, k, v) -> out``, or with ``--backward`` the
+    forward and the gradients of ``(out * dout).sum()`` for q, k, v (the output is returned,
+    detached, either way)."""
+    if not args.backward:
+        return lambda: attention(q, k, v)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def forward_backward():
+        out = attention(*leaves)
+        torch.autograd.grad(out, leaves, dout)
+        return out.detach()
+    return forward_backward
+
+
 def _error_fields(error: Exception) -> dict:
     """A failed measurement's row fields: status ``oom`` or ``error`` and the message's first line."""
     first_line = str(error).splitlines()[0] if str(error) else ""
@@ -208,13 +234,15 @@ def run_single(args, q, k, v) -> tuple[dict, torch.Tensor | None]:
 
     fields, out = {}, None
     if dist.get_rank() == 0:
-        need = _bytes((q.shape, q.dtype)) * 2 * MEMORY_MARGIN  # the output and its working set
+        # the output and its working set; with the backward also dout and the three gradients
+        need = _bytes((q.shape, q.dtype)) * (6 if args.backward else 2) * MEMORY_MARGIN
         free = torch.cuda.mem_get_info()[0] if CLOCK.cuda else math.inf
         if need > free:
             fields = {"status": "skipped", "message": f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"}
         else:
             try:
-                fields, out = time_local(lambda: flash_attn_func(q, k, v, causal=True), args)
+                attention = lambda q, k, v: flash_attn_func(q, k, v, causal=True)  # noqa: E731
+                fields, out = time_local(timed_call(args, attention, q, k, v), args)
                 fields["status"] = "ok"
             except Exception as error:  # noqa: BLE001 - recorded in the row; the other ranks go on
                 fields = _error_fields(error)
@@ -283,12 +311,12 @@ def ring_breakdown(args, spec, q_local, k_local, v_local, total: dict) -> dict:
 def run_flashkernel_ring(args, q_local, k_local, v_local) -> tuple[dict, torch.Tensor]:
     from flashkernel.distributed import ring_flash_attn_func
 
-    def call():
-        return ring_flash_attn_func(q_local, k_local, v_local, causal=True, layout=args.layout)
+    def attention(q, k, v):
+        return ring_flash_attn_func(q, k, v, causal=True, layout=args.layout)
 
-    fields, out = time_collective(call, args)
+    fields, out = time_collective(timed_call(args, attention, q_local, k_local, v_local), args)
     fields["status"] = "ok"
-    if not args.no_breakdown and dist.get_world_size() > 1:
+    if not (args.no_breakdown or args.backward) and dist.get_world_size() > 1:
         fields.update(ring_breakdown(args, _ring_spec(args, q_local, k_local, v_local), q_local, k_local,
                                      v_local, fields))
     return fields, out
@@ -342,9 +370,9 @@ def run_torch_cp(args, seqlen: int, backend: str, rotate: str, ring_out_local: t
         v = v.transpose(1, 2).contiguous()
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}), \
                 sdpa_kernel(backends[backend]):
-            def call():
+            def attention(q, k, v):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            fields, out = time_collective(call, args)
+            fields, out = time_collective(timed_call(args, attention, q, k, v), args)
         fields["status"] = "ok"
         if ring_out_local is not None and args.layout == "zigzag":
             diff = max_abs_diff(out.transpose(1, 2), ring_out_local)
@@ -380,8 +408,11 @@ def _device_mesh():
 def _row(args, seqlen: int, provider: str, gpus: int, fields: dict, single_ms: float | None) -> dict:
     kv_heads = args.kv_heads or args.heads
     flops = formulas.attention_flops(args.batch, args.heads, seqlen, seqlen, args.head_dim, True)
+    if args.backward:
+        flops = int(flops * BACKWARD_FLOPS_FACTOR)
     row = {"seqlen": seqlen, "provider": provider, "gpus": gpus, "batch": args.batch, "heads": args.heads,
            "kv_heads": kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "causal": True,
+           "pass": "forward+backward" if args.backward else "forward",
            "layout": args.layout if provider == "flashkernel-ring" else None, "flops": flops, **fields}
     ms = fields.get("median_ms")
     if fields.get("status") == "ok" and ms:
