@@ -21,6 +21,11 @@ from SDPA's flash backend, relative to the largest gradient, as a sanity check.
 
 Run: ``PYTHONPATH=src python -m flashkernel.bench.backward [--out results.json]``.
 
+``--sweep`` instead times flashkernel's backward alone at candidate tile configurations (first
+the dK/dV kernel's with the table's dQ tiles, then the dQ kernel's with the best dK/dV tiles),
+prints each shape's best against the table's and writes every timing to ``--out``: the data
+behind ``kernels/backward.py``'s ``CONFIGS``.
+
 ``--compile-check`` instead compiles the backward kernels for sm_90a at the tile table's
 configurations (no GPU needed: Triton's bundled ptxas) and reports registers, spills, shared
 memory and wgmma counts (``tests/test_backward_compile.py`` runs it).
@@ -211,6 +216,89 @@ def run_backward_bench(shapes=DEFAULT_SHAPES, out_path: str | Path | None = None
     return doc
 
 
+# ---- sweep: tile configurations timed on the GPU ------------------------------------------------
+
+# (block_m, block_n, num_warps, num_stages). dK/dV: block_n key rows per program, block_m query
+# rows per step; dQ: block_m query rows per program, block_n keys per step.
+DKDV_CANDIDATES = ((16, 128, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3),
+                   (64, 128, 8, 1), (32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 2))
+DQ_CANDIDATES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2),
+                 (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2))
+
+
+def _time_config(case: Case, tensors, config, rep_ms: int) -> float | str:
+    """Median ms of flashkernel's backward at ``config``, or the error that stopped it."""
+    import torch
+    from triton.testing import do_bench
+
+    from flashkernel.kernels.backward import attention_backward
+
+    q, k, v, out, lse, dout, grads = tensors
+    scale = 1.0 / math.sqrt(case.head_dim)
+    try:
+        return do_bench(lambda: attention_backward(dout, q, k, v, out, lse, *grads, causal=case.causal,
+                                                   softmax_scale=scale, config=config),
+                        warmup=25, rep=rep_ms, return_mode="median")
+    except Exception as error:  # noqa: BLE001 - out of resources and the like: the candidate is out
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    finally:
+        torch.cuda.synchronize()
+
+
+def sweep_case(case: Case, rep_ms: int = 100) -> dict:
+    """The dK/dV candidates with the table's dQ tiles, then the dQ candidates with the best dK/dV
+    tiles; returns the table's time, every candidate's and the best configuration."""
+    import torch
+
+    import flashkernel
+    from flashkernel.kernels import backward as bw
+    from flashkernel.kernels.tuning import TileConfig
+
+    q, k, v = _inputs(case, torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = flashkernel.flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
+    tensors = (q, k, v, out, lse, dout, tuple(torch.empty_like(x) for x in (q, k, v)))
+    table = bw.pick_config(case.head_dim, torch.bfloat16, interpreted=False)
+    row = {"head_dim": case.head_dim, "causal": case.causal, "seqlen": case.seqlen, "batch": case.batch,
+           "heads": case.heads, "table": dataclasses.asdict(table), "table_ms": _time_config(case, tensors, table, rep_ms)}
+    best, best_ms = table, row["table_ms"] if isinstance(row["table_ms"], float) else math.inf
+    for stage, candidates in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
+        timings = []
+        for tile in candidates:
+            config = dataclasses.replace(best, **{stage: TileConfig(*tile)})
+            ms = _time_config(case, tensors, config, rep_ms)
+            timings.append({"tile": tile, "ms": ms})
+            if isinstance(ms, float) and ms < best_ms:
+                best, best_ms = config, ms
+        row[f"{stage}_timings"] = timings
+    row["best"], row["best_ms"] = dataclasses.asdict(best), best_ms
+    row["speedup_vs_table"] = row["table_ms"] / best_ms if isinstance(row["table_ms"], float) else None
+    del tensors, q, k, v, out, lse, dout
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_sweep(shapes, out_path: Path | None, rep_ms: int, argv: list[str]) -> dict:
+    """:func:`sweep_case` for every shape; prints each shape's best and writes the JSON."""
+    from .results import environment
+
+    rows = []
+    for head_dim, causal, seqlen in shapes:
+        row = sweep_case(Case(head_dim, causal, seqlen), rep_ms)
+        rows.append(row)
+        best = row["best"]
+        print(f"head_dim {head_dim} {'causal' if causal else 'none'} seqlen {seqlen}: table {row['table_ms']} ms, "
+              f"best {row['best_ms']:.3f} ms (x{row['speedup_vs_table'] or 0:.3f}) dkdv {best['dkdv']} dq {best['dq']}",
+              flush=True)
+    env = environment([], "cuda")
+    env["command"] = shlex.join(["python", "-m", "flashkernel.bench.backward", *argv])
+    doc = {"workload": "backward-sweep", "environment": env, "rows": rows}
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
 # ---- compile check: the kernels as ptxas sees them for sm_90a (no GPU needed) --------------------
 
 COMPILE_DTYPES = ("bfloat16", "float16")
@@ -318,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for sm_90a (no GPU needed) and report registers and spills")
     parser.add_argument("--compile-specs", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time flashkernel's backward at candidate tile configurations (GPU)")
     args = parser.parse_args(argv)
     if args.compile_check or args.compile_specs:
         specs = (compile_specs(head_dims=args.head_dims) if args.compile_specs is None
@@ -331,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(reports, indent=1) + "\n")
         return 1 if any(r["problems"] for r in reports) else 0
     shapes = [(d, mask == "causal", s) for d in args.head_dims for mask in args.masks for s in args.seqlens]
+    if args.sweep:
+        run_sweep(shapes, args.out, min(args.rep_ms, 100), argv)
+        return 0
     run_backward_bench(shapes, args.out, rep_ms=args.rep_ms, argv=argv)
     return 0
 
