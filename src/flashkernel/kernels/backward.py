@@ -87,20 +87,24 @@ class BackwardConfig:
     group_split: int | None = None
 
 
-# Written for Hopper (H200) with bf16/fp16 and checked offline with ptxas for sm_90a
-# (``python -m flashkernel.bench.backward --compile-check``): no register spills in the plain and
-# causal kernels, but for 8 bytes in the causal dK/dV kernel at head dim 256 (the least of the
-# shapes tried). Not yet timed: to be tuned on the GPU. The dK/dV program holds two float32
-# accumulators [block_n, head_dim] (dK, dV: 128 registers per thread at 128 x 128 over 8 warps)
-# plus the transposed score tiles [block_n, block_m], so block_m shrinks as the head dim grows.
-# With 8 warps the key tile must be 128 long (64 at head dim 256, where the accumulators allow no
-# more): wgmma gives each warp 16 rows, so a shorter tile's scores are computed twice.
+# Hopper (H200), bf16/fp16. Head dims 64 and 128: the fastest of the candidates of
+# ``python -m flashkernel.bench.backward --sweep`` (bf16, 16k tokens per batch, seqlen 4k and 16k,
+# ``benchmarks/results/h200/backward-sweep.json``), 1.16x-1.35x faster than the first table; the
+# same tiles won at both lengths (the 4-warp dK/dV tiles spill 152-388 B at sm_90a and are still
+# the fastest: ``SPILL_ALLOWANCE`` in ``bench/backward.py``). Head dim 128 wants other dK/dV tiles when causal
+# (CAUSAL_CONFIGS). Head dims 16, 32 and 256: written for the register budget and checked offline
+# with ptxas for sm_90a (``--compile-check``), not yet swept. The dK/dV program holds two float32
+# accumulators [block_n, head_dim] (dK, dV) plus the transposed score tiles [block_n, block_m], so
+# block_m shrinks as the head dim grows; wgmma gives each warp 16 rows of the key tile.
 CONFIGS = {
     16: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
     32: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
-    64: BackwardConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), 128),
-    128: BackwardConfig(TileConfig(32, 128, 8, 2), TileConfig(128, 64, 8, 2), 64),
+    64: BackwardConfig(TileConfig(32, 128, 4, 2), TileConfig(128, 64, 8, 3), 128),
+    128: BackwardConfig(TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 3), 64),
     256: BackwardConfig(TileConfig(16, 64, 8, 2), TileConfig(128, 32, 8, 2), 32),
+}
+CAUSAL_CONFIGS = {
+    128: BackwardConfig(TileConfig(64, 128, 8, 1), TileConfig(128, 64, 8, 3), 64),
 }
 # fp32 runs exact fp32 ("ieee") products on the FMA units: registers, not shared memory, bound
 # the tiles (dense launches spill at most 12 bytes at sm_90a).
@@ -115,12 +119,14 @@ FLOAT32_CONFIGS = {
 INTERPRETER_CONFIG = BackwardConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1), 32, 1)
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool) -> BackwardConfig:
-    """The table's configuration for this head dim and dtype (the interpreter's small one)."""
+def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool = False) -> BackwardConfig:
+    """The table's configuration for this head dim, dtype and mask (the interpreter's small one)."""
     if interpreted:
         return INTERPRETER_CONFIG
-    table = FLOAT32_CONFIGS if dtype == torch.float32 else CONFIGS
-    return table[padded_head_dim(head_dim)]
+    padded = padded_head_dim(head_dim)
+    if dtype == torch.float32:
+        return FLOAT32_CONFIGS[padded]
+    return CAUSAL_CONFIGS.get(padded, CONFIGS[padded]) if causal else CONFIGS[padded]
 
 
 def pick_group_split(group_size: int, programs: int, device: torch.device, interpreted: bool) -> int:
@@ -670,7 +676,7 @@ def attention_backward(
             grad.zero_()
         return torch.zeros(num_q_heads, dtype=torch.float32, device=q.device) if sinks is not None else None
 
-    config = config or pick_config(head_dim, q.dtype, interpreted)
+    config = config or pick_config(head_dim, q.dtype, interpreted, causal)
     variant = Variant.of(causal, tuple(window_size), softcap, alibi_slopes, sinks)
     dout, q, k, v, out, lse = (_last_dim_contiguous(x) for x in (dout, q, k, v, out, lse))
     targets = [g if g.stride(-1) == 1 else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in (dq, dk, dv)]
