@@ -467,7 +467,9 @@ def flash_attn_with_kvcache(
             are clamped; appends that cannot be placed are skipped).
         backend: ``"auto"`` (default), ``"triton"`` or ``"gluon"`` (``kernels/dispatch.py``):
             ``"auto"`` takes the Gluon kernel on Hopper for plain attention over paged caches at
-            head dim 128 whose splits read at most 4096 keys, else the Triton kernel.
+            head dim 128 whose splits read at most 4096 keys while a CUDA graph is being captured
+            (its launch costs more host time than the Triton kernel's, which replays do not pay),
+            else the Triton kernel.
 
     GQA / MQA: ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV
     head ``h // (num_heads // num_kv_heads)``. The query heads of one KV head are computed
@@ -477,11 +479,11 @@ def flash_attn_with_kvcache(
         ``out [batch, seqlen_q, num_heads, head_dim]`` in q's dtype, and with
         ``return_lse=True`` also ``lse [batch, num_heads, seqlen_q]`` float32, natural log.
 
-    No host synchronisation and, once warm, no new device memory: the float32 split workspace
-    is cached per device and size bucket (``kernels/decode.workspace``). Run a step eagerly once
-    (same shapes) before capturing it in a CUDA graph; replays then match eager calls. Results
-    are deterministic for fixed inputs and ``num_splits``. Decode calls on one device share the
-    workspace, so do not run them concurrently on different streams.
+    No host synchronisation: a step can be captured in a CUDA graph (run it eagerly once with the
+    same shapes first, so its kernels are compiled before capture). The float32 split-KV partials
+    are taken per call from PyTorch's caching allocator (no new device memory once warm; eager
+    repeats reuse them per stream), so calls on different streams never share them. Results are
+    deterministic for fixed inputs and ``num_splits``.
 
     Example (a paged cache of 16-token pages; one decode step)::
 
