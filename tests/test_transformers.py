@@ -12,6 +12,11 @@ unpadded, through a float64 copy of the model), plus a rounding floor. Skipped w
 
 import collections
 import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +257,18 @@ def test_registered_names_avoid_flash():
     assert transformers.AttentionInterface._global_mapping[fk_hf.NAME] is fk_hf.attention_forward
     assert transformers.AttentionMaskInterface._global_mapping[fk_hf.NAME] is fk_hf.key_spans_mask
     assert fk_hf.PAGED_NAME not in transformers.AttentionMaskInterface._global_mapping
+
+
+def test_readme_example_runs_and_matches_sdpa(tmp_path):
+    """The README's transformers example, as printed, in a fresh process."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    marker = "<!-- transformers-example"
+    block = re.search(r"```python\n(.*?)```", readme[readme.index(marker):], flags=re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(block)
+    package_root = str(Path(fk_hf.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "same tokens as sdpa: True" in done.stdout, done.stdout
