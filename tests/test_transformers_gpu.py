@@ -25,11 +25,10 @@ from flashkernel.integrations.transformers import NAME  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-BASELINE = {"llama3-8b": "sdpa", "gemma2-9b": "eager", "gpt-oss-20b": "eager"}
 LAYERS = 2
 
 
-@pytest.fixture(scope="module", params=list(BASELINE))
+@pytest.fixture(scope="module", params=list(e2e.MODELS))
 def model(request):
     built = e2e.build_model(request.param, LAYERS)
     yield request.param, built
@@ -55,7 +54,8 @@ def test_logits_as_close_to_float32_as_the_baseline_gpu(model, padded):
     ids, mask = prompts(model, 2, 1024)
     if padded:
         mask[0, :300] = 0
-    ours, base = logits(model, NAME, ids, mask), logits(model, BASELINE[name], ids, mask)
+    baseline = e2e.exact_baseline(model)
+    ours, base = logits(model, NAME, ids, mask), logits(model, baseline, ids, mask)
     reference = copy.deepcopy(model).float()
     truth = logits(reference, "eager", ids, mask)
     del reference
@@ -63,8 +63,8 @@ def test_logits_as_close_to_float32_as_the_baseline_gpu(model, padded):
     ours, base, truth = ours[valid], base[valid], truth[valid]
     err, base_err = (ours - truth).abs().max().item(), (base - truth).abs().max().item()
     floor = torch.finfo(torch.bfloat16).eps * truth.abs().max().item()
-    print(f"{name} padded={padded}: max |ours - fp32| {err:.3e}, |{BASELINE[name]} - fp32| {base_err:.3e}, "
-          f"|ours - {BASELINE[name]}| {(ours - base).abs().max().item():.3e}")
+    print(f"{name} padded={padded}: max |ours - fp32| {err:.3e}, |{baseline} - fp32| {base_err:.3e}, "
+          f"|ours - {baseline}| {(ours - base).abs().max().item():.3e}")
     assert err <= 2 * base_err + floor
     top1 = (ours.argmax(-1) == truth.argmax(-1)).float().mean().item()
     base_top1 = (base.argmax(-1) == truth.argmax(-1)).float().mean().item()
@@ -78,10 +78,10 @@ def greedy(model, implementation, ids, mask, tokens, **kwargs):
 
 
 def test_greedy_generation_matches_the_baseline_gpu(model):
-    name, model = model
+    _, model = model
     ids, mask = prompts(model, 1, 256, seed=1)
     ours = greedy(model, NAME, ids, mask, 32, disable_compile=True)
-    base = greedy(model, BASELINE[name], ids, mask, 32, disable_compile=True)
+    base = greedy(model, e2e.exact_baseline(model), ids, mask, 32, disable_compile=True)
     assert torch.equal(ours, base), f"first difference at token {(ours != base).nonzero()[0, 1].item()}"
 
 
@@ -107,8 +107,9 @@ def test_continuous_batching_matches_the_baseline_gpu(name, cuda_graphs):
     cb_config = transformers.ContinuousBatchingConfig(block_size=256, num_blocks=64, max_batch_tokens=1024,
                                                       use_cuda_graph=cuda_graphs)
     results = {}
-    for implementation in (NAME, BASELINE[name]):
+    baseline = e2e.exact_baseline(model)
+    for implementation in (NAME, baseline):
         model.set_attn_implementation(implementation)
         out = model.generate_batch(requests, generation_config=config, continuous_batching_config=cb_config)
         results[implementation] = {key: o.generated_tokens for key, o in out.items()}
-    assert results[NAME] == results[BASELINE[name]]
+    assert results[NAME] == results[baseline]

@@ -16,8 +16,9 @@ same weights.
 Sections (each measured after a warm-up that compiles what it needs):
 
 * ``accuracy``: logits of a left-padded and an unpadded batch against the same model in
-  float32 (eager attention): max abs difference, top-1 agreement with the baseline; greedy
-  tokens of an unpadded prompt, the first position where they differ from the baseline's.
+  float32 (eager attention): max abs difference, top-1 agreement with the baseline (transformers'
+  implementation that computes the model exactly: ``sdpa``, ``eager`` for Gemma 2 and gpt-oss);
+  greedy tokens of an unpadded prompt, the first position where they differ from the baseline's.
 * ``prefill``: one forward of batch 1 x 8k tokens (logits of the last token only), ms.
 * ``generate``: ``model.generate`` at batch 1 and 8, 2k-token prompts, 256 new tokens (greedy,
   no stop token), tokens/s over the whole call; eager with the dynamic cache, and compiled with
@@ -121,6 +122,14 @@ def baselines(model) -> list[str]:
     return names
 
 
+def exact_baseline(model) -> str:
+    """transformers' implementation that computes this model exactly, to compare logits with:
+    ``sdpa``, or ``eager`` where sdpa cannot (Gemma 2's softcap, which transformers' sdpa path
+    drops; gpt-oss's sinks, for which it has no sdpa path)."""
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    return "sdpa" if model._supports_sdpa and not softcap else "eager"
+
+
 def use(model, provider: str):
     model.set_attn_implementation(provider)
     return model
@@ -160,9 +169,12 @@ def random_prompts(model, batch: int, length: int, generator):
 
 
 def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
-    """Logits against float32 (left-padded batch of 2, unpadded batch of 1) and greedy tokens."""
+    """Logits against float32 (left-padded batch of 2, unpadded batch of 1) and greedy tokens,
+    each provider against :func:`exact_baseline` (run too if it is not among them)."""
     import torch
 
+    baseline = exact_baseline(model)
+    providers = list(dict.fromkeys([*providers, baseline]))
     rows = []
     ids, mask = random_prompts(model, 2, plan.accuracy_prompt, generator)
     mask[0, : plan.accuracy_prompt // 4] = 0  # sequence 0 is left-padded
@@ -178,7 +190,6 @@ def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
         truth = {case: reference(x, attention_mask=m, position_ids=positions[-x.shape[0]:]).logits.float()
                  for case, (x, m) in cases.items()}
         del reference
-    baseline = providers[1]
     for case, (x, m) in cases.items():
         valid = m.bool()
         base_top = logits[case, baseline][valid].argmax(-1)

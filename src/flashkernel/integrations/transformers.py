@@ -43,9 +43,10 @@ padding mask and the cache's offsets into each sequence's key span ``(start, end
 returned as an int32 ``[B, 1, 1, 3]`` tensor (4-D, so that transformers passes it through as an
 already prepared mask when ``generate`` builds masks ahead of a compiled forward), or None when
 the keys are exactly the tensors' rows (no padding, no cache offset; prefill only). Nothing in it
-or in the attention function reads a tensor's values on the host, except the packed-input check
-and the all-ones check of the padding mask in eager prefill, so a compiled model with a static
-cache traces without graph breaks.
+or in the attention function reads a tensor's values on the host while torch.compile traces, so a
+compiled model with a static cache has no graph break; in eager mode one all-ones check of the
+padding mask per forward (as transformers' sdpa mask makes) and, for batch-1 prefills, the
+packed-input check read values.
 
 Each sequence's valid keys must be one run of its padding mask (left padding, or right padding
 that is not followed by generated tokens, as transformers' ``generate`` requires of decoder-only
@@ -107,8 +108,9 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     prefill (``q_length > DECODE_MAX_QUERIES``); else an int32 ``[B, 1, 1, 3]`` tensor holding per
     sequence ``(start, end, existing)``: its valid keys are columns ``[start, end)`` (the first
     and one past the last valid column of its padding mask below ``existing``; ``start = end =
-    existing`` when it has none). No host synchronisation, except one all-ones check of the mask
-    in an eager prefill that could otherwise return None.
+    existing`` when it has none). In eager mode one device-to-host copy checks whether the mask
+    pads anything (transformers' sdpa mask makes the same); a traced call (torch.compile) and a
+    static cache's (``q_offset`` a tensor) make none.
     """
     if use_vmap:
         raise NotImplementedError(
@@ -119,11 +121,15 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         device = attention_mask.device if attention_mask is not None else torch.device("cpu")
     padding = _padding_columns(attention_mask, kv_length, kv_offset)
     existing = q_offset + q_length - kv_offset
-    dense = isinstance(existing, int) and existing == kv_length and q_length > DECODE_MAX_QUERIES
-    if dense and padding is not None and not torch.compiler.is_compiling() and bool(padding.all()):
+    if (padding is not None and isinstance(existing, int) and not torch.compiler.is_compiling()
+            and bool(padding[:, :existing].all())):  # one device-to-host copy, as transformers' sdpa mask makes
         padding = None
-    if dense and padding is None:
-        return None
+    if padding is None and isinstance(existing, int):
+        if existing == kv_length and q_length > DECODE_MAX_QUERIES:
+            return None
+        spans = torch.full((batch_size, 1, 1, SPAN_FIELDS), existing, dtype=torch.int32, device=device)
+        spans[..., 0] = 0
+        return spans
     if not isinstance(existing, torch.Tensor):
         existing = torch.full((), existing, dtype=torch.int64, device=device)
     existing = existing.to(device=device, dtype=torch.int64).expand(batch_size)
@@ -323,9 +329,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     if (decode_only and not sliding_group and _pageable(cache.block_size)
             and not ops.needs_grad((query, key, value, s_aux))):
-        table = (block_table[group] if block_table is not None else
-                 _derived_block_table(read_index[group], cu_seq_lens_k, max_seqlen_k, cache.block_size))
-        out = _paged_decode(q, key, value, cache, index_in_group, cu_seq_lens_k, table, variant)
+        if block_table is not None:
+            table, seqlens = block_table[group], _cached_lengths(cu_seq_lens_k, q.shape[0])
+        else:
+            table, seqlens = _step_tables(read_index[group], cu_seq_lens_k, max_seqlen_k, cache.block_size)
+        out = _paged_decode(q, key, value, cache, index_in_group, seqlens, table, variant)
     else:
         keys, values = cache.update(key_states=key, value_states=value, layer_idx=layer, read_index=read_index,
                                     write_index=write_index)
@@ -339,34 +347,42 @@ def _pageable(block_size: int) -> bool:
     return 0 < block_size <= _checks.MAX_PAGE_SIZE and block_size & (block_size - 1) == 0
 
 
-_LAST_TABLE: dict = {}
+def _cached_lengths(cu_seq_lens_k: torch.Tensor, tokens: int) -> torch.Tensor:
+    """int32 ``[T]``: each sequence's keys before its one new token (``-1`` for the empty
+    sequences transformers pads a batch with)."""
+    return (cu_seq_lens_k[1:tokens + 1] - cu_seq_lens_k[:tokens] - 1).to(torch.int32)
 
 
-def _derived_block_table(read_index, cu_seq_lens_k, max_seqlen_k: int, block_size: int) -> torch.Tensor:
-    """:func:`block_table_from_read_index`, computed once per forward: the layers of a group share
-    ``read_index`` (the same tensor, unmodified), so the first one's table is kept for the others
-    (not while a CUDA graph is being captured: a table from outside the graph is not replayed)."""
+_LAST_STEP: dict = {}
+
+
+def _step_tables(read_index, cu_seq_lens_k, max_seqlen_k: int, block_size: int):
+    """``(block table, cached lengths)`` of a decode step (:func:`block_table_from_read_index`,
+    :func:`_cached_lengths`), computed once per forward: the layers of a group share ``read_index``
+    and ``cu_seq_lens_k`` (the same tensors, unmodified), so the first layer's are kept for the
+    others; not while a CUDA graph is being captured (tensors made outside the graph are not
+    refreshed by its replays)."""
     key = (read_index._version, cu_seq_lens_k._version, max_seqlen_k, block_size)
-    last = _LAST_TABLE.get("key")
+    last = _LAST_STEP.get("key")
     capturing = read_index.is_cuda and torch.cuda.is_current_stream_capturing()
     if (last is not None and not capturing and last[0]() is read_index and last[1]() is cu_seq_lens_k
             and last[2:] == key):
-        return _LAST_TABLE["value"]
-    table = block_table_from_read_index(read_index, cu_seq_lens_k, max_seqlen_k, block_size)
+        return _LAST_STEP["value"]
+    value = (block_table_from_read_index(read_index, cu_seq_lens_k, max_seqlen_k, block_size),
+             _cached_lengths(cu_seq_lens_k, cu_seq_lens_k.shape[0] - 1))
     if not capturing:
-        _LAST_TABLE.update(key=(weakref.ref(read_index), weakref.ref(cu_seq_lens_k), *key), value=table)
-    return table
+        _LAST_STEP.update(key=(weakref.ref(read_index), weakref.ref(cu_seq_lens_k), *key), value=value)
+    return value
 
 
-def _paged_decode(q, key, value, cache, index_in_group: int, cu_seq_lens_k, table, variant: dict) -> torch.Tensor:
+def _paged_decode(q, key, value, cache, index_in_group: int, seqlens, table, variant: dict) -> torch.Tensor:
     """One new token per sequence (``q [T, Hq, D]``, sequence ``i`` = token ``i``): append it to
-    the paged cache and attend to the sequence's ``cu_seq_lens_k[i + 1] - cu_seq_lens_k[i]`` keys."""
+    the paged cache after the sequence's ``seqlens[i]`` keys and attend to all of them."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = key.shape[1]
     pages = (-1, cache.block_size, num_kv_heads, head_dim)
     k_pages = cache.key_cache[index_in_group].view(pages)
     v_pages = cache.value_cache[index_in_group].view(pages)
-    seqlens = (cu_seq_lens_k[1:tokens + 1] - cu_seq_lens_k[:tokens] - 1).to(torch.int32)
     new_k, new_v = (x[0].transpose(0, 1).unsqueeze(1) for x in (key, value))  # [T, 1, Hkv, D]
     out = flash_attn_with_kvcache(q.unsqueeze(1), k_pages, v_pages, k=new_k, v=new_v, cache_seqlens=seqlens,
                                   block_table=table, causal=True, **variant)
