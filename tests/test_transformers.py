@@ -133,10 +133,11 @@ def test_continuous_batching(family, calls):
     prompts = [torch.randint(1, TINY["vocab_size"], (n,)).tolist() for n in (5, 22, 13)]
     config = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1)
     cb_config = transformers.ContinuousBatchingConfig(block_size=16, num_blocks=16, max_batch_tokens=64)
+    ref.set_attn_implementation("paged|" + ref.config._attn_implementation)
+    ours.set_attn_implementation(fk_hf.PAGED_NAME)
     expected = ref.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
     got = ours.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
     assert {k: r.generated_tokens for k, r in got.items()} == {k: r.generated_tokens for k, r in expected.items()}
-    assert ours.config._attn_implementation == fk_hf.NAME  # switched back after the batch
     # decode-only steps append to and read the paged cache through a block table (in the
     # full-attention layers: a sliding layer's cache is a ring buffer, read by varlen)
     assert (calls[("flash_attn_with_kvcache", True, False)] > 0) == (family != "mistral")

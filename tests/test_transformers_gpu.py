@@ -109,7 +109,7 @@ def test_continuous_batching_matches_the_baseline_gpu(name, cuda_graphs):
     results = {}
     baseline = e2e.exact_baseline(model)
     for implementation in (NAME, baseline):
-        model.set_attn_implementation(implementation)
+        model.set_attn_implementation(f"paged|{implementation}")
         out = model.generate_batch(requests, generation_config=config, continuous_batching_config=cb_config)
         results[implementation] = {key: o.generated_tokens for key, o in out.items()}
     assert results[NAME] == results[baseline]

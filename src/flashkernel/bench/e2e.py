@@ -286,7 +286,9 @@ def batching_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
                                                       max_requests_per_batch=plan.requests)
     rows = []
     for provider in providers:
-        use(model, provider)
+        # "paged|..." set before generate_batch: given an implementation without the prefix,
+        # transformers switches to FlashAttention when it finds it (package or Hub kernel)
+        use(model, f"paged|{provider}")
         warm = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
         model.generate_batch(prompts[:4], generation_config=warm, continuous_batching_config=cb_config)
         outputs = {}

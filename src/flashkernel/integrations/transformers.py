@@ -20,7 +20,8 @@ Example::
     import flashkernel.integrations.transformers  # registers the names
     model = AutoModelForCausalLM.from_config(config, attn_implementation="fk_attention")
     model.generate(input_ids, attention_mask=mask, max_new_tokens=64)       # any cache
-    model.generate_batch(prompts, generation_config)                         # "paged|fk_attention"
+    model.set_attn_implementation("paged|fk_attention")  # else transformers may pick FlashAttention
+    model.generate_batch(prompts, generation_config)                         # continuous batching
 
 How each call runs (``q_len`` new tokens against ``kv_len`` keys):
 
