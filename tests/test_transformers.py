@@ -7,7 +7,8 @@ Tiny random-weight models of each decoder family (2 layers, hidden 64, 4 query /
 logits of a left-padded batch, greedy generations with the dynamic and the static cache, and
 continuous batching (``paged|fk_attention``). The logits are held to the error bound of the
 kernel tests: at most 2x the reference's own distance to the truth (each sequence alone,
-unpadded, through a float64 copy of the model), plus a rounding floor. Skipped without transformers (``pip install flashkernel[transformers]``).
+unpadded, through a float64 copy of the model), plus a rounding floor. Skipped without
+transformers (``pip install flashkernel[transformers]``).
 """
 
 import collections

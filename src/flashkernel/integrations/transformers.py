@@ -214,7 +214,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     elif q.shape[1] <= DECODE_MAX_QUERIES and not ops.needs_grad((q, k, v, s_aux)):
         if spans is None:
             spans = _all_keys(q.shape[0], k.shape[1], q.device)
-        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=spans[:, 2], cache_leftpad=spans[:, 0], causal=causal,
+        # Causal: the queries are the last of the existing keys, and right padding after a
+        # sequence's keys lies in no valid query's past. Bidirectional: its keys end at `end`.
+        lengths = spans[:, 2] if causal else spans[:, 1]
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, cache_leftpad=spans[:, 0], causal=causal,
                                       **variant)
     elif spans is None:
         out = flash_attn_func(q, k, v, causal=causal, **variant)
