@@ -58,3 +58,10 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "e2e.json").read_text())
     assert doc["workload"] == "e2e" and len(doc["rows"]) == len(rows)
     assert (tmp_path / "e2e.csv").exists() and (tmp_path / "e2e.png").exists()
+
+
+def test_append_keeps_the_rows_a_run_did_not_measure():
+    old = [dict(model="a", section="prefill", case="c", provider="p", median_ms=1.0),
+           dict(model="b", section="prefill", case="c", provider="p", median_ms=2.0)]
+    new = [dict(model="a", section="prefill", case="c", provider="p", median_ms=3.0)]
+    assert e2e.merged(old, new) == [old[1], new[0]]

@@ -250,6 +250,7 @@ def cmd_bench_e2e(args, device) -> int:
     argv += ["--quick"] if args.quick else []
     argv += ["--no-progress"] if args.no_progress else []
     argv += ["--no-plots"] if args.no_plots else []
+    argv += ["--append"] if args.append else []
     return e2e.main(argv)
 
 

@@ -29,7 +29,9 @@ Sections (each measured after a warm-up that compiles what it needs):
   FlashAttention ones when importable); requests/s and generated tokens/s. transformers' defaults
   for each (it turns CUDA graphs on only for names containing "flash").
 
-The default run takes about 8 minutes on an H200 (compiles included), ``--quick`` about 2.
+The default run takes about 8 minutes on an H200 (compiles included), ``--quick`` about 2. The
+result files are rewritten after every step, so an interrupted run keeps what it measured; a run
+split by ``--models`` / ``--sections`` into several commands collects its rows with ``--append``.
 """
 
 from __future__ import annotations
@@ -319,7 +321,9 @@ def planned_steps(plan: Plan) -> list[tuple[str, str]]:
     return steps
 
 
-def run(plan: Plan, progress=None) -> list[dict]:
+def run(plan: Plan, progress=None, checkpoint=None) -> list[dict]:
+    """Every planned step's rows (a failing step gives an ``error`` row and the run goes on);
+    ``checkpoint(rows)`` after each step, so that an interrupted run keeps what it measured."""
     import torch
 
     rows = []
@@ -352,6 +356,8 @@ def run(plan: Plan, progress=None) -> list[dict]:
             print(f"{name} {section}: {rows[-1]['message']}", file=sys.stderr, flush=True)
         if progress is not None:
             progress.step()
+        if checkpoint is not None:
+            checkpoint(add_speedups(rows))
     return add_speedups(rows)
 
 
@@ -430,6 +436,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", choices=MODELS)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS)
     parser.add_argument("--layers", type=int, help="decoder layers per model (4)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows of --out's e2e.json that this run does not measure (a run split by "
+                             "--models or --sections)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
@@ -447,25 +456,51 @@ def main(argv=None) -> int:
     if args.layers:
         overrides["layers"] = args.layers
     plan = dataclasses.replace(plan, **overrides)
+    command = ["bench", "e2e", *(sys.argv[1:] if argv is None else argv)]
+    earlier = previous_rows(Path(args.out)) if args.out and args.append else []
     progress = ProgressLine(len(planned_steps(plan)), enabled=not args.no_progress, log_every_s=0)
-    rows = run(plan, progress)
+
+    def checkpoint(rows):
+        write(merged(earlier, rows), plan, command, args.out, "cuda", plots=False, quiet=True)
+
+    rows = run(plan, progress, checkpoint if args.out else None)
     progress.close()
-    write(rows, plan, ["bench", "e2e", *(sys.argv[1:] if argv is None else argv)], args.out, "cuda",
-          plots=not args.no_plots)
+    write(merged(earlier, rows), plan, command, args.out, "cuda", plots=not args.no_plots)
     return 1 if any(r.get("status") == "error" for r in rows) else 0
 
 
-def write(rows: list[dict], plan: Plan, argv: list[str], out: str | None, device: str, plots: bool = True) -> None:
-    """Print the tables; with ``out``, write ``e2e.json`` and ``e2e.csv`` (and ``e2e.png``) there."""
+def _row_key(row: dict) -> tuple:
+    return row["model"], row["section"], row["case"], row["provider"]
+
+
+def previous_rows(out: Path) -> list[dict]:
+    """The rows of an earlier run's ``e2e.json`` in ``out`` (none when there is no such file)."""
+    path = out / "e2e.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
+def merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
+    """``rows`` plus the ``earlier`` rows they do not measure again (for a run split into several
+    commands with ``--append``)."""
+    measured = {_row_key(r) for r in rows}
+    return [r for r in earlier if _row_key(r) not in measured] + rows
+
+
+def write(rows: list[dict], plan: Plan, argv: list[str], out: str | None, device: str, plots: bool = True,
+          quiet: bool = False) -> None:
+    """Print the tables (unless ``quiet``); with ``out``, write ``e2e.json`` and ``e2e.csv`` (and
+    ``e2e.png``) there."""
     from . import results
 
-    print(table(rows))
+    if not quiet:
+        print(table(rows))
     if not out:
         return
     doc = results.document("e2e", results.environment(argv, device), None, {"plan": dataclasses.asdict(plan)}, [],
                            rows)
     for path in results.write_results(Path(out), doc):
-        print(f"wrote {path}")
+        if not quiet:
+            print(f"wrote {path}")
     if plots:
         try:
             env = doc["environment"]
