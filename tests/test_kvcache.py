@@ -26,11 +26,11 @@ CPU_LENGTHS = (0, 1, 17, 300)
 PAGE_SIZES = (None, 1, 16, 64, 256)  # None = contiguous cache
 
 
-def make_cache(lengths, seqlen_new, num_kv_heads, head_dim, dtype, page_size, slack=5):
+def make_cache(lengths, seqlen_new, num_kv_heads, head_dim, dtype, page_size, slack=5, unused_entry=None):
     """Random caches holding ``lengths`` tokens (+ room for ``seqlen_new`` + slack) per sequence.
 
-    Paged pools have spare pages and a random page order; unused block-table entries hold an
-    out-of-range index, which must never be read.
+    Paged pools have spare pages and a random page order; unused block-table entries hold
+    ``unused_entry`` (default: an index past the pool), which must never be read.
     """
     batch = len(lengths)
     need = max(lengths) + seqlen_new + slack
@@ -44,7 +44,7 @@ def make_cache(lengths, seqlen_new, num_kv_heads, head_dim, dtype, page_size, sl
     block_table = pages.to(torch.int32)
     for b, length in enumerate(lengths):
         used = -(-(length + seqlen_new) // page_size)
-        block_table[b, used:] = num_blocks + 1000
+        block_table[b, used:] = num_blocks + 1000 if unused_entry is None else unused_entry
     return k_cache, torch.randn_like(k_cache), block_table
 
 
@@ -62,10 +62,11 @@ def check_sequences(out, lse, q, k_cache, v_cache, lengths, block_table, causal,
 
 
 def run_and_check(lengths, seqlen_new, heads, head_dim, dtype, page_size, *, causal=True,
-                  append=True, num_splits=0, softmax_scale=None):
+                  append=True, num_splits=0, softmax_scale=None, validate=None, unused_entry=None):
     num_heads, num_kv_heads = heads
     batch = len(lengths)
-    k_cache, v_cache, block_table = make_cache(lengths, seqlen_new, num_kv_heads, head_dim, dtype, page_size)
+    k_cache, v_cache, block_table = make_cache(lengths, seqlen_new, num_kv_heads, head_dim, dtype, page_size,
+                                               unused_entry=unused_entry)
     q = torch.randn(batch, seqlen_new, num_heads, head_dim, dtype=dtype, device=DEVICE)
     k = v = None
     if append:
@@ -75,7 +76,7 @@ def run_and_check(lengths, seqlen_new, heads, head_dim, dtype, page_size, *, cau
     saved = [t.clone() for t in (q, cache_seqlens, k_cache, v_cache)]
     out, lse = flashkernel.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-        causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
+        causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True, validate=validate,
     )
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (batch, num_heads, seqlen_new) and lse.dtype == torch.float32
@@ -225,6 +226,14 @@ def test_unvalidated_bad_values_stay_in_bounds(page_size):
                                              block_table=block_table, validate=False, num_splits=3)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("validate", [None, True, False])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_block_table_padded_with_minus_one(page_size, validate):
+    """-1 past each sequence's pages (transformers' continuous batching pads its block tables so)
+    is accepted, validated or not, and never read."""
+    run_and_check([0, 17, 40], 2, (4, 2), 32, torch.float16, page_size, validate=validate, unused_entry=-1)
 
 
 def test_identical_calls_are_bitwise_identical():

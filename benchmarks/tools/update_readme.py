@@ -6,8 +6,9 @@ Replaces what stands between ``<!-- results:start -->`` and ``<!-- results:end -
 output of ``flashkernel report DIR --markdown``, and between ``<!-- callcost:start -->`` /
 ``<!-- training:start -->`` and their ends with tables made here from ``overhead.json``
 (``flashkernel bench overhead``), ``backward.json`` (``python -m flashkernel.bench.backward``) and
-``../h200x2/context_parallel.json`` (``torchrun ... -m flashkernel.bench.context_parallel``); the
-tables are never typed by hand.
+``../h200x2/context_parallel.json`` (``torchrun ... -m flashkernel.bench.context_parallel``), and
+between ``<!-- e2e:start -->`` and its end with the tables of ``e2e.json`` (``flashkernel bench
+e2e``); the tables are never typed by hand.
 """
 
 import json
@@ -103,6 +104,16 @@ def training_table(results: Path) -> str:
     return "\n".join(lines)
 
 
+def e2e_table(results: Path) -> str:
+    """The tables of ``flashkernel bench e2e`` (``e2e.json``), as the benchmark prints them."""
+    from flashkernel.bench import e2e
+
+    doc = json.loads((results / "e2e.json").read_text())
+    env = doc["environment"]
+    return (f"`{env['command']}` (commit {env['git_commit'][:7]}, torch {env['torch']}, "
+            f"{env['timestamp']})\n\n{e2e.table(doc['rows'], markdown=True)}")
+
+
 def main(results_dir: str) -> int:
     report = subprocess.run(
         [sys.executable, "-m", "flashkernel.cli", "report", results_dir, "--markdown"],
@@ -119,6 +130,8 @@ def main(results_dir: str) -> int:
         text = _replace(text, "callcost", call_cost_table(results))
     if (results / "backward.json").exists():
         text = _replace(text, "training", training_table(results))
+    if (results / "e2e.json").exists():
+        text = _replace(text, "e2e", e2e_table(results))
     readme.write_text(text)
     print(f"updated {readme} from {results_dir}")
     return 0

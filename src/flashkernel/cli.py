@@ -4,6 +4,7 @@
     flashkernel check [--quick]            every public function vs the float64 reference
     flashkernel bench prefill|decode|all   side-by-side benchmark, result files and plots
     flashkernel bench variants|overhead    variants vs FlexAttention; call cost vs cuDNN
+    flashkernel bench e2e [--quick]        transformers models on flashkernel vs sdpa (tokens/s)
     flashkernel profile [shape options]    one configuration under Nsight Compute
     flashkernel plot DIR                   re-draw the plots from the result files in DIR
     flashkernel report DIR [--markdown]    print their tables (Markdown for the README)
@@ -235,7 +236,27 @@ def cmd_bench_overhead(args, device) -> int:
     return overhead.main(["--out", str(out_dir / "overhead.json")])
 
 
+def cmd_bench_e2e(args, device) -> int:
+    """``bench e2e``: Hugging Face transformers models on flashkernel against transformers' own
+    attention (``bench/e2e.py``)."""
+    if device != "cuda":
+        print("the end-to-end benchmark needs a CUDA GPU; on this machine the CPU tests "
+              "(tests/test_transformers.py) check the transformers integration in Triton's interpreter")
+        return 2
+    from .bench import e2e
+
+    out_dir = Path(args.out) if args.out else default_out_dir(device)
+    argv = ["--out", str(out_dir)]
+    argv += ["--quick"] if args.quick else []
+    argv += ["--no-progress"] if args.no_progress else []
+    argv += ["--no-plots"] if args.no_plots else []
+    argv += ["--append"] if args.append else []
+    return e2e.main(argv)
+
+
 def cmd_bench(args, argv, device, parser) -> int:
+    if args.workload == "e2e":
+        return cmd_bench_e2e(args, device)
     if args.workload == "variants":
         return cmd_bench_variants(args, device)
     if args.workload == "overhead":
@@ -395,10 +416,12 @@ def _shape_options() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", parents=[_shape_options()], help="side-by-side benchmark",
                            description="Benchmark flashkernel against every provider importable here.")
-    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "overhead", "all"), default="all",
+    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "overhead", "e2e", "all"),
+                       default="all",
                        help="what to benchmark (default: all = prefill and decode; variants: window, "
                             "softcap, ALiBi, sinks, varlen against FlexAttention; overhead: host and GPU time "
-                            "per call against cuDNN)")
+                            "per call against cuDNN; e2e: transformers models, prefill, generate and continuous "
+                            "batching against sdpa, see python -m flashkernel.bench.e2e --help)")
     bench.add_argument("--quick", action="store_true", help="a short sweep")
     bench.add_argument("--providers", nargs="+", help="only these providers (see --list-providers)")
     bench.add_argument("--skip-providers", nargs="+", help="leave these providers out")

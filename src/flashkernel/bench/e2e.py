@@ -1,0 +1,513 @@
+"""End to end: Hugging Face transformers models on flashkernel against transformers' own attention.
+
+    flashkernel bench e2e --out benchmarks/results/h200          # e2e.json, e2e.csv, e2e.png
+    flashkernel bench e2e --quick                                # a ~2-minute smoke run
+    python -m flashkernel.bench.e2e --models llama3-8b --sections prefill generate
+
+Random-weight models (bf16, on the GPU) built from the configurations in ``bench/models/``:
+Llama-3-8B's shapes (32 query / 8 KV heads of 128), Gemma-2-9B's (softcap, a 4096-key window on
+every other layer, head dim 256) and gpt-oss-20b's (sinks, a 128-key window on every other layer,
+32 experts), each cut to a few layers. Every model runs with ``attn_implementation="fk_attention"``
+(``flashkernel.integrations.transformers``) and with each baseline it supports: ``sdpa`` (gpt-oss
+has none: ``eager``), and ``flash_attention_2`` / ``flash_attention_3`` when importable. One model
+object per configuration; ``set_attn_implementation`` switches it, so every provider has the
+same weights.
+
+Sections (each measured after a warm-up that compiles what it needs):
+
+* ``accuracy``: logits of a left-padded and an unpadded batch against the same model in
+  float32 (eager attention): max abs difference, top-1 agreement with the baseline (transformers'
+  implementation that computes the model exactly: ``sdpa``, ``eager`` for Gemma 2 and gpt-oss);
+  greedy tokens of an unpadded prompt, the first position where they differ from the baseline's.
+* ``prefill``: one forward of batch 1 x 8k tokens (logits of the last token only), ms.
+* ``generate``: ``model.generate`` at batch 1 and 8, 2k-token prompts, 256 new tokens (greedy,
+  no stop token), tokens/s over the whole call; eager with the dynamic cache, and compiled with
+  the static cache (transformers' default ``CompileConfig``: ``torch.compile`` of the decode step,
+  ``mode="reduce-overhead"``; compile time reported apart).
+* ``batching``: ``model.generate_batch`` (continuous batching) of 64 requests, prompts of 128 to
+  2048 tokens, 256 new tokens each: ``paged|fk_attention`` against ``paged|sdpa`` (and the
+  FlashAttention ones when importable); requests/s and generated tokens/s. transformers' defaults
+  for each (it turns CUDA graphs on only for names containing "flash").
+
+The default run takes about 8 minutes on an H200 (compiles included), ``--quick`` about 2. The
+result files are rewritten after every step, so an interrupted run keeps what it measured; a run
+split by ``--models`` / ``--sections`` into several commands collects its rows with ``--append``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS = ("llama3-8b", "gemma2-9b", "gpt-oss-20b")
+SECTIONS = ("accuracy", "prefill", "generate", "batching")
+FLASHKERNEL = "fk_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one run measures."""
+
+    models: tuple[str, ...] = MODELS
+    sections: tuple[str, ...] = SECTIONS
+    layers: int = 4
+    prefill_tokens: int = 8192
+    prompt: int = 2048
+    new_tokens: int = 256
+    batches: tuple[int, ...] = (1, 8)
+    compiled_models: tuple[str, ...] = ("llama3-8b",)  # compiles dominate the run's time
+    compiled_batches: tuple[int, ...] = (1, 8)
+    batching_models: tuple[str, ...] = ("llama3-8b",)
+    requests: int = 64
+    request_prompts: tuple[int, int] = (128, 2048)
+    request_new_tokens: int = 256
+    accuracy_prompt: int = 512
+    greedy_tokens: int = 32
+    repeats: int = 2
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+
+
+QUICK = Plan(models=("llama3-8b",), prefill_tokens=2048, prompt=1024, new_tokens=64, compiled_batches=(1,),
+             requests=16, request_prompts=(128, 1024), request_new_tokens=64, accuracy_prompt=256, repeats=1)
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+def load_config(name: str, layers: int | None = None):
+    """The transformers configuration shipped as ``bench/models/<name>.json`` (``layers`` layers;
+    alternating layer types are extended or cut to match)."""
+    import transformers
+
+    fields = json.loads((MODELS_DIR / f"{name}.json").read_text())
+    fields.pop("_comment", None)
+    model_type = fields.pop("model_type")
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+        if "layer_types" in fields:
+            pattern = fields["layer_types"]
+            fields["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def build_model(name: str, layers: int | None = None, dtype: str = "bfloat16", device: str = "cuda"):
+    """A random-weight model of the shipped configuration ``name``, on ``device`` (initialised
+    there), in eval mode, with ``fk_attention`` registered."""
+    import torch
+    import transformers
+
+    import flashkernel.integrations.transformers  # noqa: F401 - registers fk_attention
+
+    config = load_config(name, layers)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def baselines(model) -> list[str]:
+    """transformers' attention implementations to compare with on this model and machine."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    names = ["sdpa" if model._supports_sdpa else "eager"]
+    if model._supports_flash_attn:
+        names += [f"flash_attention_{v}" for v, ok in ((2, is_flash_attn_2_available()), (3, is_flash_attn_3_available()))
+                  if ok]
+    return names
+
+
+def exact_baseline(model) -> str:
+    """transformers' implementation that computes this model exactly, to compare logits with:
+    ``sdpa``, or ``eager`` where sdpa cannot (Gemma 2's softcap, which transformers' sdpa path
+    drops; gpt-oss's sinks, for which it has no sdpa path)."""
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    return "sdpa" if model._supports_sdpa and not softcap else "eager"
+
+
+def use(model, provider: str):
+    model.set_attn_implementation(provider)
+    return model
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+
+def timed(fn, repeats: int) -> list[float]:
+    """Wall seconds of ``repeats`` calls of ``fn`` (synchronised around each)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    seconds = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def random_prompts(model, batch: int, length: int, generator):
+    """Token ids ``[batch, length]`` (never the pad token) and an all-ones attention mask."""
+    import torch
+
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (batch, length), generator=generator).to(model.device)
+    pad = model.config.get_text_config().pad_token_id
+    if pad is not None:
+        ids = ids.masked_fill(ids == pad, pad + 1 if pad + 1 < vocab else pad - 1)
+    return ids, torch.ones_like(ids)
+
+
+# ---- sections -------------------------------------------------------------------------------------
+
+
+def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
+    """Logits against float32 (left-padded batch of 2, unpadded batch of 1) and greedy tokens,
+    each provider against :func:`exact_baseline` (run too if it is not among them)."""
+    import torch
+
+    baseline = exact_baseline(model)
+    providers = list(dict.fromkeys([*providers, baseline]))
+    rows = []
+    ids, mask = random_prompts(model, 2, plan.accuracy_prompt, generator)
+    mask[0, : plan.accuracy_prompt // 4] = 0  # sequence 0 is left-padded
+    cases = {"b=2 left-padded": (ids, mask), "b=1": (ids[1:], mask[1:])}
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = {}
+    with torch.no_grad():
+        for provider in providers:
+            use(model, provider)
+            for case, (x, m) in cases.items():
+                logits[case, provider] = model(x, attention_mask=m, position_ids=positions[-x.shape[0]:]).logits.float()
+        reference = use(copy.deepcopy(model).float(), "eager")
+        truth = {case: reference(x, attention_mask=m, position_ids=positions[-x.shape[0]:]).logits.float()
+                 for case, (x, m) in cases.items()}
+        del reference
+    for case, (x, m) in cases.items():
+        valid = m.bool()
+        base_top = logits[case, baseline][valid].argmax(-1)
+        for provider in providers:
+            got = logits[case, provider][valid]
+            rows.append(dict(section="accuracy", model=name, case=case, provider=provider,
+                             max_abs_vs_fp32=(got - truth[case][valid]).abs().max().item(),
+                             max_abs_vs_baseline=(got - logits[case, baseline][valid]).abs().max().item(),
+                             top1_vs_baseline=(got.argmax(-1) == base_top).float().mean().item(),
+                             top1_vs_fp32=(got.argmax(-1) == truth[case][valid].argmax(-1)).float().mean().item(),
+                             baseline=baseline))
+    prompt, prompt_mask = random_prompts(model, 1, plan.accuracy_prompt, generator)
+    tokens = {}
+    for provider in providers:
+        use(model, provider)
+        tokens[provider] = model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=plan.greedy_tokens,
+                                          min_new_tokens=plan.greedy_tokens, do_sample=False,
+                                          disable_compile=True)[0, prompt.shape[1]:]
+    for provider in providers:
+        same = (tokens[provider] == tokens[baseline]).tolist()
+        rows.append(dict(section="accuracy", model=name, case=f"greedy b=1 {plan.greedy_tokens} tokens",
+                         provider=provider, baseline=baseline,
+                         identical_tokens=same.index(False) if False in same else len(same)))
+    return rows
+
+
+def prefill_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
+    import torch
+
+    ids, mask = random_prompts(model, 1, plan.prefill_tokens, generator)
+    rows = []
+    for provider in providers:
+        use(model, provider)
+        with torch.no_grad():
+            run = lambda: model(ids, attention_mask=mask, logits_to_keep=1, use_cache=False)  # noqa: E731
+            timed(run, 2)
+            seconds = timed(run, 3 * plan.repeats + 1)
+        rows.append(dict(section="prefill", model=name, case=f"b=1 {plan.prefill_tokens} tokens", provider=provider,
+                         batch=1, prompt=plan.prefill_tokens, median_ms=statistics.median(seconds) * 1e3))
+    return rows
+
+
+def generate_rows(name, model, providers, plan: Plan, generator, compiled: bool) -> list[dict]:
+    """tokens/s of ``model.generate``: eager with the dynamic cache, or compiled with the static
+    cache (the compiled call is rebuilt for each provider; its first call's time is reported as
+    ``compile_s``)."""
+    import torch
+    import transformers
+
+    rows = []
+    for batch in (plan.compiled_batches if compiled else plan.batches):
+        ids, mask = random_prompts(model, batch, plan.prompt, generator)
+        for provider in providers:
+            use(model, provider)
+            kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=plan.new_tokens,
+                          min_new_tokens=plan.new_tokens)
+            if compiled:
+                torch._dynamo.reset()
+                model.__dict__.pop("_compiled_call", None)
+                kwargs.update(cache_implementation="static", compile_config=transformers.CompileConfig())
+            else:
+                kwargs.update(disable_compile=True)
+            run = lambda: model.generate(ids, **kwargs)  # noqa: E731
+            first = timed(run, 1)[0]
+            seconds = timed(run, plan.repeats)
+            row = dict(section="generate compiled static" if compiled else "generate eager dynamic", model=name,
+                       case=f"b={batch} prompt {plan.prompt} +{plan.new_tokens}", provider=provider, batch=batch,
+                       prompt=plan.prompt, new_tokens=plan.new_tokens, median_ms=statistics.median(seconds) * 1e3,
+                       tokens_per_s=batch * plan.new_tokens / statistics.median(seconds))
+            if compiled:
+                row["compile_s"] = first - statistics.median(seconds)
+            rows.append(row)
+    if compiled:
+        torch._dynamo.reset()
+        model.__dict__.pop("_compiled_call", None)
+    return rows
+
+
+def batching_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
+    """Continuous batching (``generate_batch``): every provider's paged implementation, same
+    requests, same cache geometry."""
+    import torch
+    import transformers
+
+    vocab = model.config.get_text_config().vocab_size
+    low, high = plan.request_prompts
+    lengths = torch.randint(low, high + 1, (plan.requests,), generator=generator).tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+    config = transformers.GenerationConfig(max_new_tokens=plan.request_new_tokens, do_sample=False,
+                                           eos_token_id=-1, pad_token_id=0)
+    block = 256
+    blocks = sum(-(-(n + plan.request_new_tokens) // block) for n in lengths) + 16
+    cb_config = transformers.ContinuousBatchingConfig(block_size=block, num_blocks=blocks, max_batch_tokens=4096,
+                                                      max_requests_per_batch=plan.requests)
+    rows = []
+    for provider in providers:
+        # "paged|..." set before generate_batch: given an implementation without the prefix,
+        # transformers switches to FlashAttention when it finds it (package or Hub kernel)
+        use(model, f"paged|{provider}")
+        warm = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        model.generate_batch(prompts[:4], generation_config=warm, continuous_batching_config=cb_config)
+        outputs = {}
+        seconds = timed(lambda: outputs.update(model.generate_batch(  # noqa: B023
+            prompts, generation_config=config, continuous_batching_config=cb_config)), 1)[0]
+        generated = sum(len(o.generated_tokens) for o in outputs.values())
+        rows.append(dict(section="batching", model=name, case=f"{plan.requests} requests, prompts {low}-{high}, "
+                         f"+{plan.request_new_tokens}", provider=f"paged|{provider}", batch=plan.requests,
+                         new_tokens=plan.request_new_tokens, median_ms=seconds * 1e3,
+                         requests_per_s=plan.requests / seconds, tokens_per_s=generated / seconds))
+    return rows
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+def planned_steps(plan: Plan) -> list[tuple[str, str]]:
+    """(model, section) pairs in run order."""
+    steps = []
+    for name in plan.models:
+        for section in plan.sections:
+            if section == "generate":
+                steps.append((name, "generate eager dynamic"))
+                if name in plan.compiled_models:
+                    steps.append((name, "generate compiled static"))
+            elif section != "batching" or name in plan.batching_models:
+                steps.append((name, section))
+    return steps
+
+
+def run(plan: Plan, progress=None, checkpoint=None) -> list[dict]:
+    """Every planned step's rows (a failing step gives an ``error`` row and the run goes on);
+    ``checkpoint(rows)`` after each step, so that an interrupted run keeps what it measured."""
+    import torch
+
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    current = None
+    model = providers = None
+    for name, section in planned_steps(plan):
+        if name != current:
+            del model
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            model = build_model(name, plan.layers, plan.dtype, plan.device)
+            providers = [FLASHKERNEL, *baselines(model)]
+            current = name
+        if progress is not None:
+            progress.show(f"{name}: {section}")
+        try:
+            if section == "accuracy":
+                rows += accuracy_rows(name, model, providers, plan, generator)
+            elif section == "prefill":
+                rows += prefill_rows(name, model, providers, plan, generator)
+            elif section.startswith("generate"):
+                rows += generate_rows(name, model, providers, plan, generator, compiled="compiled" in section)
+            else:
+                rows += batching_rows(name, model, providers, plan, generator)
+        except Exception as exc:  # noqa: BLE001 - one failing section is a row, the run goes on
+            rows.append(dict(section=section, model=name, case="", provider="", status="error",
+                             message=f"{type(exc).__name__}: {str(exc)[:400]}"))
+            print(f"{name} {section}: {rows[-1]['message']}", file=sys.stderr, flush=True)
+        if progress is not None:
+            progress.step()
+        if checkpoint is not None:
+            checkpoint(add_speedups(rows))
+    return add_speedups(rows)
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """``flashkernel_speedup`` on every timed row: its time / flashkernel's (or flashkernel's
+    throughput / its), for the same model, section and case."""
+    def key(row):
+        return row["model"], row["section"], row["case"]
+
+    ours = {key(r): r for r in rows if r.get("provider", "").endswith(FLASHKERNEL) and "median_ms" in r}
+    for row in rows:
+        row.setdefault("status", "ok")
+        mine = ours.get(key(row))
+        if mine is not None and "median_ms" in row:
+            row["flashkernel_speedup"] = row["median_ms"] / mine["median_ms"]
+    return rows
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict], markdown: bool = False) -> str:
+    from .results import format_table
+
+    timed_rows, accuracy = [], []
+    for r in rows:
+        if r.get("status") == "error":
+            timed_rows.append([r["model"], r["section"], "error", "", "", r["message"][:80]])
+        elif r["section"] == "accuracy" and "identical_tokens" in r:
+            accuracy.append([r["model"], r["case"], r["provider"], "", "", f"{r['identical_tokens']} identical"])
+        elif r["section"] == "accuracy":
+            accuracy.append([r["model"], r["case"], r["provider"], f"{r['max_abs_vs_fp32']:.3g}",
+                             f"{r['max_abs_vs_baseline']:.3g}", f"{r['top1_vs_baseline']:.4f}"])
+        else:
+            value = (f"{r['median_ms']:.1f} ms" if r["section"] == "prefill" else
+                     f"{r['tokens_per_s']:.0f} tok/s" + (f", {r['requests_per_s']:.2f} req/s" if "requests_per_s" in r
+                                                         else ""))
+            extra = f" (compile {r['compile_s']:.0f} s)" if "compile_s" in r else ""
+            mine = r["provider"].endswith(FLASHKERNEL)
+            timed_rows.append([r["model"], r["section"], r["case"], r["provider"], value + extra,
+                               f"{r['flashkernel_speedup']:.2f}x" if "flashkernel_speedup" in r and not mine else ""])
+    parts = [format_table(["model", "section", "case", "provider", "result", "fk_attention speedup"], timed_rows,
+                          text_columns=4, markdown=markdown)]
+    if accuracy:
+        parts.append(format_table(["model", "case", "provider", "max |logits - fp32|", "max |logits - baseline|",
+                                   "top-1 agreement / greedy"], accuracy, text_columns=3, markdown=markdown))
+    return "\n\n".join(parts)
+
+
+def plot(rows: list[dict], out: Path, title: str = "") -> Path:
+    """``e2e.png``: flashkernel's speedup over each baseline, one bar per timed row."""
+    from .plots import pyplot
+
+    plt = pyplot()
+    bars = [r for r in rows if r.get("flashkernel_speedup") and not r["provider"].endswith(FLASHKERNEL)]
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(bars) + 1.5))
+    labels = [f"{r['model']} {r['section']} {r['case']} vs {r['provider']}" for r in bars]
+    values = [r["flashkernel_speedup"] for r in bars]
+    ax.barh(range(len(bars)), values, color=["tab:blue" if v >= 1 else "tab:red" for v in values])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(bars)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("fk_attention speedup (time of the baseline / time of fk_attention)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = out / "e2e.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="results directory (e2e.json, e2e.csv, e2e.png)")
+    parser.add_argument("--quick", action="store_true", help="Llama only, shorter prompts and generations")
+    parser.add_argument("--models", nargs="+", choices=MODELS)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS)
+    parser.add_argument("--layers", type=int, help="decoder layers per model (4)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows of --out's e2e.json that this run does not measure (a run split by "
+                             "--models or --sections)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from .progress import ProgressLine
+
+    if not torch.cuda.is_available():
+        print("the end-to-end benchmark needs a CUDA GPU (bf16 models of a few billion parameters); the CPU "
+              "tests (tests/test_transformers.py) check the integration in Triton's interpreter")
+        return 2
+    plan = QUICK if args.quick else Plan()
+    overrides = {k: tuple(v) for k, v in (("models", args.models), ("sections", args.sections)) if v}
+    if args.layers:
+        overrides["layers"] = args.layers
+    plan = dataclasses.replace(plan, **overrides)
+    command = ["bench", "e2e", *(sys.argv[1:] if argv is None else argv)]
+    earlier = previous_rows(Path(args.out)) if args.out and args.append else []
+    progress = ProgressLine(len(planned_steps(plan)), enabled=not args.no_progress, log_every_s=0)
+
+    def checkpoint(rows):
+        write(merged(earlier, rows), plan, command, args.out, "cuda", plots=False, quiet=True)
+
+    rows = run(plan, progress, checkpoint if args.out else None)
+    progress.close()
+    write(merged(earlier, rows), plan, command, args.out, "cuda", plots=not args.no_plots)
+    return 1 if any(r.get("status") == "error" for r in rows) else 0
+
+
+def _row_key(row: dict) -> tuple:
+    return row["model"], row["section"], row["case"], row["provider"]
+
+
+def previous_rows(out: Path) -> list[dict]:
+    """The rows of an earlier run's ``e2e.json`` in ``out`` (none when there is no such file)."""
+    path = out / "e2e.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
+def merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
+    """``rows`` plus the ``earlier`` rows they do not measure again (for a run split into several
+    commands with ``--append``)."""
+    measured = {_row_key(r) for r in rows}
+    return [r for r in earlier if _row_key(r) not in measured] + rows
+
+
+def write(rows: list[dict], plan: Plan, argv: list[str], out: str | None, device: str, plots: bool = True,
+          quiet: bool = False) -> None:
+    """Print the tables (unless ``quiet``); with ``out``, write ``e2e.json`` and ``e2e.csv`` (and
+    ``e2e.png``) there."""
+    from . import results
+
+    if not quiet:
+        print(table(rows))
+    if not out:
+        return
+    doc = results.document("e2e", results.environment(argv, device), None, {"plan": dataclasses.asdict(plan)}, [],
+                           rows)
+    for path in results.write_results(Path(out), doc):
+        if not quiet:
+            print(f"wrote {path}")
+    if plots:
+        try:
+            env = doc["environment"]
+            title = f"transformers on flashkernel vs its own attention: {env['gpu']}, commit {env['git_commit'][:8]}"
+            print(f"wrote {plot(rows, Path(out), title)}")
+        except Exception as exc:  # noqa: BLE001 - matplotlib missing: the data is written
+            print(f"no plot: {exc}")
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""Hugging Face transformers (5.x) on flashkernel: ``attn_implementation="fk_attention"``.
+
+Importing this module (or calling :func:`register`) registers, through transformers' public
+``AttentionInterface`` and ``AttentionMaskInterface``:
+
+* ``"fk_attention"``: attention for the decoder models (``[B, H, S, D]`` tensors from
+  transformers, read through transposed views, never copied for the kernel's sake) and its mask
+  function;
+* ``"paged|fk_attention"``: the same for continuous batching (``generate_batch``) over
+  transformers' paged KV cache.
+
+The name has no "flash" in it on purpose: transformers 5.17 treats every implementation whose
+name contains "flash" as a FlashAttention flavour and, when a model is created or switched to it,
+loads that flavour's kernels (``lazy_import_flash_attention``: the ``flash_attn`` package or a
+Hub kernel repository), which fails for any other name; models that list
+``_compatible_flash_implementations`` (gpt-oss) even replace such a name with their own choice.
+
+Example::
+
+    import flashkernel.integrations.transformers  # registers the names
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="fk_attention")
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=64)       # any cache
+    model.set_attn_implementation("paged|fk_attention")  # else transformers may pick FlashAttention
+    model.generate_batch(prompts, generation_config)                         # continuous batching
+
+How each call runs (``q_len`` new tokens against ``kv_len`` keys):
+
+* **decode** (``q_len <= DECODE_MAX_QUERIES``, no gradient wanted): ``flash_attn_with_kvcache``
+  with the keys as a contiguous cache, ``cache_seqlens`` = the keys that exist and
+  ``cache_leftpad`` = where each sequence's keys start, so left-padded batches and static caches
+  (whose tail is unused) run the split-KV, GQA-packed decode kernel. Nothing is appended: the
+  cache layer already holds the new keys.
+* **prefill**, no padding: ``flash_attn_func`` on the tensors as they are.
+* **prefill** with padding or over a static cache: ``flash_attn_varlen_func`` over the batch
+  flattened to rows, cut into three packed sequences per sequence (the padding before its keys,
+  its keys, the padding or unused cache after them) so the sequences tile the rows exactly: no
+  gather, no host synchronisation, and the padding rows only ever attend padding.
+* **packed** inputs (batch 1, several sequences one after the other): ``flash_attn_varlen_func``
+  with transformers' ``cu_seq_lens_*`` arguments, or offsets found from ``position_ids``
+  (in eager mode: one device-to-host copy per forward).
+
+The mask function (:func:`key_spans_mask`) runs once per forward: it turns transformers' 2-D
+padding mask and the cache's offsets into each sequence's key span ``(start, end, existing)``,
+returned as an int32 ``[B, 1, 1, 3]`` tensor (4-D, so that transformers passes it through as an
+already prepared mask when ``generate`` builds masks ahead of a compiled forward), or None when
+the keys are exactly the tensors' rows (no padding, no cache offset; prefill only). Nothing in it
+or in the attention function reads a tensor's values on the host while torch.compile traces, so a
+compiled model with a static cache has no graph break; in eager mode one all-ones check of the
+padding mask per forward (as transformers' sdpa mask makes) and, for batch-1 prefills, the
+packed-input check read values.
+
+Each sequence's valid keys must be one run of its padding mask (left padding, or right padding
+that is not followed by generated tokens, as transformers' ``generate`` requires of decoder-only
+models); a mask with holes inside a sequence is read as the run from its first to its last valid
+key.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+try:
+    from transformers import AttentionInterface, AttentionMaskInterface
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "flashkernel.integrations.transformers needs Hugging Face transformers 5.x: "
+        "pip install 'flashkernel[transformers]'") from error
+
+from .. import _checks, ops
+from ..interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+__all__ = ["NAME", "PAGED_NAME", "DECODE_MAX_QUERIES", "register", "attention_forward", "paged_attention_forward",
+           "key_spans_mask"]
+
+NAME = "fk_attention"
+PAGED_NAME = "paged|" + NAME
+# Calls with at most this many new tokens per sequence run the decode kernel (its row tile holds
+# GQA group x new tokens); longer ones run the prefill kernel, which skips causal tiles.
+DECODE_MAX_QUERIES = 16
+SPAN_FIELDS = 3  # start, end, existing
+
+
+def register() -> None:
+    """Register ``"fk_attention"`` (attention and mask function) and ``"paged|fk_attention"``
+    with transformers (idempotent). The paged name gets no mask function: continuous batching
+    passes packed sequences and their offsets instead of a mask."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, key_spans_mask)
+    AttentionInterface.register(PAGED_NAME, paged_attention_forward)
+
+
+# ---- the mask function ---------------------------------------------------------------------------
+
+
+def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                   mask_function=None, attention_mask: torch.Tensor | None = None, use_vmap: bool = False,
+                   device=None, **kwargs) -> torch.Tensor | None:
+    """transformers' mask hook: each sequence's keys, for :func:`attention_forward`.
+
+    Key column ``j`` (of the ``kv_length`` keys the attention receives) is the token at position
+    ``kv_offset + j``; the queries are the last ``q_length`` of the ``existing = q_offset +
+    q_length - kv_offset`` columns that hold a token (a static cache's later columns are unused).
+    ``attention_mask`` is the 2-D padding mask over positions (``[B, >= kv_offset + ...]``, bool)
+    or None.
+
+    Returns None when every sequence's keys are exactly the ``kv_length`` columns and this is a
+    prefill (``q_length > DECODE_MAX_QUERIES``); else an int32 ``[B, 1, 1, 3]`` tensor holding per
+    sequence ``(start, end, existing)``: its valid keys are columns ``[start, end)`` (the first
+    and one past the last valid column of its padding mask below ``existing``; ``start = end =
+    existing`` when it has none). In eager mode one device-to-host copy checks whether the mask
+    pads anything (transformers' sdpa mask makes the same); a traced call (torch.compile) and a
+    static cache's (``q_offset`` a tensor) make none.
+    """
+    if use_vmap:
+        raise NotImplementedError(
+            "flashkernel's attention computes causal and sliding-window masks with padding; this model asks for a "
+            "custom mask (or_mask_function / and_mask_function), which it cannot express: use attn_implementation="
+            "'sdpa' for it")
+    if device is None:
+        device = attention_mask.device if attention_mask is not None else torch.device("cpu")
+    padding = _padding_columns(attention_mask, kv_length, kv_offset)
+    existing = q_offset + q_length - kv_offset
+    if (padding is not None and isinstance(existing, int) and not torch.compiler.is_compiling()
+            and bool(padding[:, :existing].all())):  # one device-to-host copy, as transformers' sdpa mask makes
+        padding = None
+    if padding is None and isinstance(existing, int):
+        if existing == kv_length and q_length > DECODE_MAX_QUERIES:
+            return None
+        spans = torch.full((batch_size, 1, 1, SPAN_FIELDS), existing, dtype=torch.int32, device=device)
+        spans[..., 0] = 0
+        return spans
+    if not isinstance(existing, torch.Tensor):
+        existing = torch.full((), existing, dtype=torch.int64, device=device)
+    existing = existing.to(device=device, dtype=torch.int64).expand(batch_size)
+    if padding is None:
+        start, end = torch.zeros_like(existing), existing
+    else:
+        valid = padding & (torch.arange(kv_length, device=device) < existing[:, None])
+        found = valid.any(-1)
+        first = valid.to(torch.int32).argmax(-1)
+        after_last = kv_length - valid.flip(-1).to(torch.int32).argmax(-1)
+        start = torch.where(found, first, existing)
+        end = torch.where(found, after_last, existing)
+    return torch.stack((start, end, existing), -1).to(torch.int32).view(batch_size, 1, 1, SPAN_FIELDS)
+
+
+def _padding_columns(attention_mask, kv_length: int, kv_offset: int) -> torch.Tensor | None:
+    """The padding mask ``[B, kv_length]`` (bool) of the key columns, or None: positions
+    ``kv_offset .. kv_offset + kv_length - 1`` of the 2-D mask, False past its end."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+    if mask.shape[-1] < kv_length:
+        mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]))
+    return mask
+
+
+def _key_spans(attention_mask) -> torch.Tensor | None:
+    """``[B, 3]`` int32 spans from :func:`key_spans_mask`'s output, None for None; any other mask
+    is an error (it would be ignored, and padding attended, silently)."""
+    if attention_mask is None:
+        return None
+    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int32
+            and attention_mask.dim() == 4 and tuple(attention_mask.shape[1:]) == (1, 1, SPAN_FIELDS)):
+        return attention_mask.view(-1, SPAN_FIELDS)
+    what = (f"a {attention_mask.dtype} tensor of shape {tuple(attention_mask.shape)}"
+            if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+    raise TypeError(
+        f"flashkernel's attention got {what} as its attention mask; it reads the masks of its own mask function: "
+        "register both with flashkernel.integrations.transformers.register() (AttentionMaskInterface as well as "
+        "AttentionInterface), and pass a 2-D padding mask to the model, not a prepared 4-D one")
+
+
+# ---- attention ---------------------------------------------------------------------------------
+
+
+def _variant(module, dropout, scaling, sliding_window, softcap, is_causal):
+    """``(causal, keyword arguments)`` of the flashkernel call for transformers' arguments: its
+    window ``w`` (``w`` keys including the query's own) is flashkernel's ``(w - 1, w - 1)`` (causal
+    zeroes the right side), softcap None is 0."""
+    if dropout:
+        raise NotImplementedError(
+            f"flashkernel's attention has no dropout, got dropout={dropout}: call model.eval(), or set the config's "
+            "attention_dropout to 0")
+    causal = bool(module.is_causal if is_causal is None else is_causal)
+    window = _checks.NO_WINDOW if not sliding_window else (sliding_window - 1, sliding_window - 1)
+    return causal, dict(softmax_scale=scaling, window_size=window, softcap=0.0 if softcap is None else softcap)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                      cu_seq_lens_k: torch.Tensor | None = None, max_length_q=None, max_length_k=None, **kwargs):
+    """transformers' attention hook (``AttentionInterface``): ``query [B, Hq, q_len, D]``, ``key,
+    value [B, Hkv, kv_len, D]`` (the cache layer's keys, new ones included), ``attention_mask``
+    from :func:`key_spans_mask`; ``s_aux`` (sinks, gpt-oss) ``[Hq]`` in any float dtype. Returns
+    ``(out [B, q_len, Hq, D], None)``."""
+    causal, variant = _variant(module, dropout, scaling, sliding_window, softcap, is_causal)
+    variant["sinks"] = s_aux
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(
+            f"flashkernel needs one head dim for queries and values, got {query.shape[-1]} and {value.shape[-1]}")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    spans = _key_spans(attention_mask)
+    if cu_seq_lens_q is None and q.shape[0] == 1 and q.shape[1] == k.shape[1] > 1:
+        cu_seq_lens_q, max_length_q = _packed_offsets(position_ids)
+        cu_seq_lens_k, max_length_k = cu_seq_lens_q, max_length_q
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        out = _packed(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, causal, variant)
+    elif q.shape[1] <= DECODE_MAX_QUERIES and not ops.needs_grad((q, k, v, s_aux)):
+        if spans is None:
+            spans = _all_keys(q.shape[0], k.shape[1], q.device)
+        # Causal: the queries are the last of the existing keys, and right padding after a
+        # sequence's keys lies in no valid query's past. Bidirectional: its keys end at `end`.
+        lengths = spans[:, 2] if causal else spans[:, 1]
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, cache_leftpad=spans[:, 0], causal=causal,
+                                      **variant)
+    elif spans is None:
+        out = flash_attn_func(q, k, v, causal=causal, **variant)
+    else:
+        out = _padded(q, k, v, spans, causal, variant)
+    return out, None
+
+
+def _all_keys(batch: int, kv_len: int, device) -> torch.Tensor:
+    """Spans of a batch whose keys are all the ``kv_len`` rows."""
+    spans = torch.full((batch, SPAN_FIELDS), kv_len, dtype=torch.int32, device=device)
+    spans[:, 0] = 0
+    return spans
+
+
+def _padded(q, k, v, spans, causal: bool, variant: dict) -> torch.Tensor:
+    """Prefill of a padded batch (``q [B, P, Hq, D]``, keys ``[B, K, Hkv, D]``) as packed
+    sequences: the rows of sequence ``b`` are cut into (padding before, keys, rest), for its
+    queries and its keys alike, so that every row belongs to exactly one packed sequence."""
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len = k.shape[1]
+    start, end, existing = spans.to(torch.int64).unbind(-1)
+    first_query = existing - q_len  # the key column of query row 0
+    q_start = (start - first_query).clamp(0, q_len)
+    q_end = (end - first_query).clamp(0, q_len).maximum(q_start)
+    q_cuts = torch.stack((q_start, q_end - q_start, q_len - q_end), -1)
+    k_cuts = torch.stack((start, end - start, kv_len - end), -1)
+    cu_q, cu_k = (torch.nn.functional.pad(cuts.flatten().cumsum(0), (1, 0)).to(torch.int32)
+                  for cuts in (q_cuts, k_cuts))
+    out = flash_attn_varlen_func(q.reshape(batch * q_len, num_heads, head_dim),
+                                 k.reshape(batch * kv_len, *k.shape[2:]), v.reshape(batch * kv_len, *v.shape[2:]),
+                                 cu_q, cu_k, q_len, kv_len, causal=causal, **variant)
+    return out.view(batch, q_len, num_heads, head_dim)
+
+
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, variant: dict) -> torch.Tensor:
+    """Batch 1 holding several sequences end to end (``q [1, T, Hq, D]``)."""
+    _, total, num_heads, head_dim = q.shape
+    max_q = max_q if isinstance(max_q, int) else total  # a bound is enough: no device-to-host copy
+    max_k = max_k if isinstance(max_k, int) else k.shape[1]
+    out = flash_attn_varlen_func(q[0], k[0], v[0], cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                                 causal=causal, **variant)
+    return out.view(1, total, num_heads, head_dim)
+
+
+_LAST_POSITIONS: dict = {}
+
+
+def _packed_offsets(position_ids: torch.Tensor | None):
+    """``(cu_seqlens int32, max_seqlen)`` of the sequences packed into batch 1 (a sequence starts
+    wherever a position is not its predecessor's plus one), or ``(None, None)`` for one sequence,
+    no ``position_ids``, or a trace (torch.compile: pass ``cu_seq_lens_*`` instead). Eager: one
+    device-to-host copy per forward (the answer is kept for the same, unmodified tensor)."""
+    if position_ids is None or torch.compiler.is_compiling():
+        return None, None
+    last = _LAST_POSITIONS.get("key")
+    if last is not None and last[0]() is position_ids and last[1] == position_ids._version:
+        return _LAST_POSITIONS["value"]
+    positions = position_ids.reshape(-1)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    first = starts.nonzero().flatten()  # one device-to-host copy
+    if first.numel() <= 1:
+        value = (None, None)
+    else:
+        cu = torch.cat((first, first.new_tensor([positions.numel()]))).to(torch.int32)
+        value = (cu, int((cu[1:] - cu[:-1]).max()))
+    _LAST_POSITIONS.update(key=(weakref.ref(position_ids), position_ids._version), value=value)
+    return value
+
+
+# ---- continuous batching -----------------------------------------------------------------------
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask=None, cache=None, cu_seq_lens_q: torch.Tensor | None = None,
+                            cu_seq_lens_k=None, max_seqlen_q: int | None = None, max_seqlen_k=None,
+                            block_table: torch.Tensor | None = None, dropout: float = 0.0,
+                            scaling: float | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+    """transformers' attention hook for continuous batching (``"paged|fk_attention"``).
+
+    ``query [1, Hq, T, D]``, ``key, value [1, Hkv, T, D]``: the batch's ``T`` new tokens, its
+    sequences given by ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 ``[S + 1]``; per layer type
+    for models with sliding layers); ``cache`` transformers' ``PagedAttentionCache``.
+
+    * A decode-only batch (``block_table`` given, or every sequence has one new token:
+      ``max_seqlen_q == 1``) on a full-attention layer: ``flash_attn_with_kvcache`` appends the
+      new keys and values to the paged cache in place and attends there, through the block table
+      (transformers' own, padded with -1, or read off ``read_index``: the physical slot of each
+      page's first token).
+    * Anything else (prefill chunks, mixed batches, sliding-window layers, whose cache is a ring
+      buffer): the cache layer writes the new tokens and gathers each sequence's keys
+      (``cache.update``), then ``flash_attn_varlen_func``.
+
+    Returns ``(out [T, Hq, D], None)``.
+    """
+    if cache is None:
+        raise ValueError(
+            f"{PAGED_NAME} is continuous batching's attention (model.generate_batch): it needs transformers' "
+            f"paged cache; for a plain forward use attn_implementation='{NAME}'")
+    causal, variant = _variant(module, dropout, scaling, sliding_window, softcap, True)
+    variant["sinks"] = s_aux
+    layer = module.layer_idx
+    sliding_group = cache.sliding_windows[layer] > 1
+    if isinstance(cu_seq_lens_k, dict):
+        layer_type = "sliding_attention" if sliding_group else "full_attention"
+        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
+    read_index, write_index = kwargs.get("read_index"), kwargs.get("write_index")
+    group, index_in_group = cache.layer_index_to_group_indices[layer]
+    decode_only = block_table is not None or (max_seqlen_q == 1 and read_index is not None
+                                              and read_index[group].numel() > 0)
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    if (decode_only and not sliding_group and _pageable(cache.block_size)
+            and not ops.needs_grad((query, key, value, s_aux))):
+        if block_table is not None:
+            table, seqlens = block_table[group], _cached_lengths(cu_seq_lens_k, q.shape[0])
+        else:
+            table, seqlens = _step_tables(read_index[group], cu_seq_lens_k, max_seqlen_k, cache.block_size)
+        out = _paged_decode(q, key, value, cache, index_in_group, seqlens, table, variant)
+    else:
+        keys, values = cache.update(key_states=key, value_states=value, layer_idx=layer, read_index=read_index,
+                                    write_index=write_index)
+        out = flash_attn_varlen_func(q, keys, values, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
+                                     max_seqlen_q, max_seqlen_k, causal=causal, **variant)
+    return out, None
+
+
+def _pageable(block_size: int) -> bool:
+    """Whether flashkernel's paged decode takes pages of ``block_size`` tokens."""
+    return 0 < block_size <= _checks.MAX_PAGE_SIZE and block_size & (block_size - 1) == 0
+
+
+def _cached_lengths(cu_seq_lens_k: torch.Tensor, tokens: int) -> torch.Tensor:
+    """int32 ``[T]``: each sequence's keys before its one new token (``-1`` for the empty
+    sequences transformers pads a batch with)."""
+    return (cu_seq_lens_k[1:tokens + 1] - cu_seq_lens_k[:tokens] - 1).to(torch.int32)
+
+
+_LAST_STEP: dict = {}
+
+
+def _step_tables(read_index, cu_seq_lens_k, max_seqlen_k: int, block_size: int):
+    """``(block table, cached lengths)`` of a decode step (:func:`block_table_from_read_index`,
+    :func:`_cached_lengths`), computed once per forward: the layers of a group share ``read_index``
+    and ``cu_seq_lens_k`` (the same tensors, unmodified), so the first layer's are kept for the
+    others; not while a CUDA graph is being captured (tensors made outside the graph are not
+    refreshed by its replays)."""
+    key = (read_index._version, cu_seq_lens_k._version, max_seqlen_k, block_size)
+    last = _LAST_STEP.get("key")
+    capturing = read_index.is_cuda and torch.cuda.is_current_stream_capturing()
+    if (last is not None and not capturing and last[0]() is read_index and last[1]() is cu_seq_lens_k
+            and last[2:] == key):
+        return _LAST_STEP["value"]
+    value = (block_table_from_read_index(read_index, cu_seq_lens_k, max_seqlen_k, block_size),
+             _cached_lengths(cu_seq_lens_k, cu_seq_lens_k.shape[0] - 1))
+    if not capturing:
+        _LAST_STEP.update(key=(weakref.ref(read_index), weakref.ref(cu_seq_lens_k), *key), value=value)
+    return value
+
+
+def _paged_decode(q, key, value, cache, index_in_group: int, seqlens, table, variant: dict) -> torch.Tensor:
+    """One new token per sequence (``q [T, Hq, D]``, sequence ``i`` = token ``i``): append it to
+    the paged cache after the sequence's ``seqlens[i]`` keys and attend to all of them."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = key.shape[1]
+    pages = (-1, cache.block_size, num_kv_heads, head_dim)
+    k_pages = cache.key_cache[index_in_group].view(pages)
+    v_pages = cache.value_cache[index_in_group].view(pages)
+    new_k, new_v = (x[0].transpose(0, 1).unsqueeze(1) for x in (key, value))  # [T, 1, Hkv, D]
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_pages, v_pages, k=new_k, v=new_v, cache_seqlens=seqlens,
+                                  block_table=table, causal=True, **variant)
+    return out.view(tokens, num_heads, head_dim)
+
+
+def block_table_from_read_index(read_index: torch.Tensor, cu_seq_lens_k: torch.Tensor, max_seqlen_k: int,
+                                block_size: int) -> torch.Tensor:
+    """The block table ``[S, ceil(max_seqlen_k / block_size)]`` int32 (-1 past a sequence's pages)
+    of a batch whose ``read_index`` lists, sequence after sequence, the physical slot of each of
+    its keys in a paged cache of ``block_size``-token pages, keys in order (transformers'
+    full-attention layers): page ``m`` of sequence ``i`` holds the slot of its key ``m *
+    block_size``. On the device, no host synchronisation."""
+    pages = -(-max_seqlen_k // block_size)
+    first_keys = torch.arange(pages, device=read_index.device) * block_size
+    starts = cu_seq_lens_k[:-1].to(torch.int64)
+    lengths = cu_seq_lens_k[1:].to(torch.int64) - starts
+    slots = read_index[(starts[:, None] + first_keys).clamp_max(read_index.numel() - 1)]
+    return torch.where(first_keys < lengths[:, None], slots // block_size, -1).to(torch.int32)
+
+
+register()

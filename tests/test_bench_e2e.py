@@ -1,0 +1,67 @@
+"""``flashkernel bench e2e`` (``bench/e2e.py``): the shipped model configurations, and every
+section's code on a tiny model in Triton's interpreter (the timings mean nothing there; the rows,
+the table and the result files do)."""
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from flashkernel.bench import e2e  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+
+@pytest.mark.parametrize("name, heads, kv_heads, head_dim", [
+    ("llama3-8b", 32, 8, 128), ("gemma2-9b", 16, 8, 256), ("gpt-oss-20b", 64, 8, 64)])
+def test_shipped_configs_have_the_models_attention_shapes(name, heads, kv_heads, head_dim):
+    config = e2e.load_config(name, layers=6)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (heads, kv_heads, head_dim)
+    assert config.num_hidden_layers == 6
+    if name != "llama3-8b":  # alternating sliding / full layers, extended to the layer count
+        assert config.layer_types == ["sliding_attention", "full_attention"] * 3
+
+
+def tiny_config(name, layers=None):
+    return transformers.AutoConfig.for_model(
+        "llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=1)
+
+
+def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e, "load_config", tiny_config)
+    plan = e2e.Plan(models=("llama3-8b",), compiled_models=(), prefill_tokens=20, prompt=12, new_tokens=3,
+                    batches=(2,), requests=3, request_prompts=(5, 20), request_new_tokens=3, accuracy_prompt=20,
+                    greedy_tokens=3, repeats=1, dtype="float32", device="cpu")
+    rows = e2e.run(plan)
+    assert all(r["status"] == "ok" for r in rows), [r.get("message") for r in rows]
+    sections = {(r["section"], r["provider"]) for r in rows}
+    for section in ("accuracy", "prefill", "generate eager dynamic"):
+        assert {(section, "fk_attention"), (section, "sdpa")} <= sections
+    assert {("batching", "paged|fk_attention"), ("batching", "paged|sdpa")} <= sections
+    by_key = {(r["section"], r["case"], r["provider"]): r for r in rows}
+    greedy = [r for r in rows if "identical_tokens" in r]
+    assert {r["identical_tokens"] for r in greedy} == {3}  # float32: the same tokens as sdpa
+    padded = by_key["accuracy", "b=2 left-padded", "fk_attention"]
+    assert padded["top1_vs_baseline"] == 1.0 and padded["max_abs_vs_fp32"] < 1e-4
+    for r in rows:
+        if "median_ms" in r:
+            mine = by_key[r["section"], r["case"], "paged|fk_attention" if r["section"] == "batching" else "fk_attention"]
+            assert r["flashkernel_speedup"] == pytest.approx(r["median_ms"] / mine["median_ms"])
+    assert "fk_attention speedup" in e2e.table(rows)
+
+    e2e.write(rows, plan, ["bench", "e2e"], str(tmp_path), "cpu")
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["workload"] == "e2e" and len(doc["rows"]) == len(rows)
+    assert (tmp_path / "e2e.csv").exists() and (tmp_path / "e2e.png").exists()
+
+
+def test_append_keeps_the_rows_a_run_did_not_measure():
+    old = [dict(model="a", section="prefill", case="c", provider="p", median_ms=1.0),
+           dict(model="b", section="prefill", case="c", provider="p", median_ms=2.0)]
+    new = [dict(model="a", section="prefill", case="c", provider="p", median_ms=3.0)]
+    assert e2e.merged(old, new) == [old[1], new[0]]
