@@ -44,6 +44,38 @@ def test_key_separates_what_triton_separates():
         assert _launch.launch_key([a]) != _launch.launch_key([b])
 
 
+@pytest.mark.parametrize("specialize", [True, False])
+def test_runtime_keys_mean_equal_triton_specializations(specialize):
+    """A runtime argument's key (integers by class, not value) still never covers two of
+    Triton's specializations, for integers, stride tuples and floats."""
+    seen = {}
+    values = INTS + [(a, b) for a in (1, 16, 17, 2**31) for b in (0, 1, 32, 33)] + [0.5, 1.0, 1e30, 16.0]
+    for value in values:
+        ours = _launch.runtime_key(value)
+        triton_spec = native_specialize_impl(CUDABackend, value, False, specialize, True)
+        seen.setdefault(ours, set()).add(triton_spec)
+    clashes = {key: specs for key, specs in seen.items() if len(specs) > 1}
+    assert not clashes, f"one runtime key covers several Triton specializations: {clashes}"
+    assert _launch.runtime_key(17) == _launch.runtime_key(33)  # new lengths, same compiled kernel
+    assert _launch.runtime_key((17, 4096)) == _launch.runtime_key((33, 8192))
+
+
+def test_launcher_keys_constexprs_by_value_and_runtime_arguments_by_class():
+    from triton.runtime.jit import JITFunction
+
+    from flashkernel.kernels import decode
+
+    kernel = decode._decode_kernel
+    kernel = JITFunction(kernel.fn) if not hasattr(kernel, "params") else kernel  # the interpreter's wrapper
+    keyers, params = _launch.parameter_keys(kernel), kernel.params
+    assert len(keyers) == len(params)
+    for param, keyer in zip(params, keyers):
+        if param.is_constexpr:
+            assert keyer(64) != keyer(128)
+        else:
+            assert keyer(17) == keyer(33) and keyer(16) != keyer(17)
+
+
 def _descriptors():
     gluon = pytest.importorskip("flashkernel.kernels.gluon.common")
     for dtype in (torch.float16, torch.bfloat16):

@@ -5,14 +5,15 @@ Two mechanisms, one above the other.
 **Launcher.** A Triton launch (``kernel[grid](*args)``) binds and specializes every argument,
 builds a cache key string and looks the compiled kernel up before it launches. A
 :class:`Launcher` keeps the compiled kernel of each launch it has seen under a key it computes
-in one pass, and launches later calls through the compiled kernel directly. The key is every
-argument's value, except tensors, which contribute their dtype and whether their address is
-16-byte aligned, and TMA descriptors, which contribute their dtype, block shape, layout and
-padding; plus the launch options, Triton's debug and instrumentation knobs, and the device.
-Whatever Triton specializes on (constexpr values, integers' ``== 1``, ``% 16`` and width,
-tensors' dtype and alignment) is therefore a function of the key, so one key never needs two
-compiled kernels. Integers are keyed by value, more finely than Triton needs; the table is
-cleared when it grows past ``MAX_KEYS``. Not re-checked on the fast path: Triton's
+in one pass, and launches later calls through the compiled kernel directly. The key holds
+constexpr arguments by value; runtime integers (also inside tuples such as stride bundles) by
+what Triton specializes them on: ``== 1``, divisibility by 16 and width; runtime floats by type;
+tensors by dtype and whether their address is 16-byte aligned; TMA descriptors by dtype, block
+shape, layout and padding; other values by type and value; plus the launch options, Triton's
+debug and instrumentation knobs, and the device. Whatever Triton specializes on is therefore a
+function of the key, so one key never needs two compiled kernels, and a call with new lengths or
+strides (a growing sequence) finds its compiled kernel without Triton's argument binding. The
+table is cleared when it grows past ``MAX_KEYS``. Not re-checked on the fast path: Triton's
 ``pre_run_hooks`` and its test that globals read by the kernel kept their values (ours read
 only constants fixed at import).
 
@@ -62,8 +63,34 @@ def _non_int_key(value):
 
 
 def launch_key(values) -> tuple:
-    """The cache key of one launch's argument values (see the module docstring)."""
+    """The cache key of argument values all keyed as constexprs are (integers by value)."""
     return tuple([v if type(v) is int else _non_int_key(v) for v in values])
+
+
+def runtime_key(value):
+    """The key of a runtime (not constexpr) argument: an integer by Triton's specialization of
+    it (``== 1``, ``% 16 == 0``, int32 / int64 / uint64 range), a tuple element by element, a
+    float by its type (Triton passes every float as an fp32 argument), anything else as
+    :func:`launch_key` has it."""
+    kind = type(value)
+    if kind is int:
+        return value == 1, value % 16 == 0, -2**31 <= value < 2**31, -2**63 <= value < 2**63
+    if kind is tuple:
+        return tuple([runtime_key(element) for element in value])
+    if kind is float:
+        return float
+    return _non_int_key(value)
+
+
+def parameter_keys(kernel) -> tuple:
+    """For each parameter of a Triton kernel, the function that keys its argument:
+    constexprs by value (:func:`launch_key`'s rule), the rest by :func:`runtime_key`. A kernel
+    object without parameter metadata keys every argument by value."""
+    params = getattr(kernel, "params", None)
+    if not params:
+        return ()
+    by_value = lambda v: v if type(v) is int else _non_int_key(v)  # noqa: E731
+    return tuple(by_value if p.is_constexpr else runtime_key for p in params)
 
 
 # ---- recording --------------------------------------------------------------------------------
@@ -372,6 +399,7 @@ class Launcher:
         self.kernel = kernel
         self.interpreted = is_interpreted(kernel)
         self.names = tuple(kernel.arg_names)
+        self.keyers = parameter_keys(kernel)
         self.compiled = {}
 
     def __call__(self, grid, *args, num_warps: int, num_stages: int | None = None, **named):
@@ -383,8 +411,9 @@ class Launcher:
             return self.kernel[grid](*args, **named, **options)
         values = args + tuple([named[name] for name in self.names[len(args):]])
         device = driver.active.get_current_device()
-        key = (device, num_warps, num_stages, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-               launch_key(values))
+        keyed = (tuple([keyer(v) for keyer, v in zip(self.keyers, values)])
+                 if len(self.keyers) == len(values) else launch_key(values))
+        key = (device, num_warps, num_stages, knobs.runtime.debug, knobs.compilation.instrumentation_mode, keyed)
         if len(named) + len(args) != len(values):  # compile options beyond the parameters
             key += (tuple(sorted((k, v) for k, v in named.items() if k not in self.names)),)
         compiled = self.compiled.get(key)
