@@ -187,13 +187,23 @@ class _NotReplayable(Exception):
     pass
 
 
-def _identify(ptr: int, candidates, first_allocation: int) -> tuple[int, int]:
-    """``(index, byte offset)``: the first tensor in ``candidates`` whose address is ``ptr``
-    (offset 0), or an allocation (index >= ``first_allocation``: buffers made for this call,
-    never shared) that holds ``ptr`` (a view into it, e.g. one of the split partials' parts)."""
+def _first_at_address(candidates) -> dict[int, int]:
+    """Each address of ``candidates`` (tensors or None) -> the index of the first tensor there."""
+    first: dict[int, int] = {}
     for i, t in enumerate(candidates):
-        if t is not None and t.data_ptr() == ptr:
-            return i, 0
+        if t is not None:
+            first.setdefault(t.data_ptr(), i)
+    return first
+
+
+def _identify(ptr: int, candidates, first_at: dict[int, int], first_allocation: int) -> tuple[int, int]:
+    """``(index, byte offset)``: the first tensor in ``candidates`` whose address is ``ptr``
+    (offset 0; ``first_at`` is :func:`_first_at_address` of them), or an allocation (index >=
+    ``first_allocation``: buffers made for this call, never shared) that holds ``ptr`` (a view
+    into it, e.g. one of the split partials' parts)."""
+    index = first_at.get(ptr)
+    if index is not None:
+        return index, 0
     for i, t in enumerate(candidates[first_allocation:], first_allocation):
         base = t.untyped_storage().data_ptr()
         if base <= ptr < base + t.untyped_storage().nbytes():
@@ -219,9 +229,10 @@ class Replay:
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
         self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
         self.everything = inputs + tuple(rec.allocations)
+        self.first_at = _first_at_address(self.everything)
         self.device = rec.launches[0][3]
         self.launches = tuple(self._launch_template(c, g, v, d) for c, g, v, d in rec.launches)
-        del self.everything  # the call's tensors: needed only to read the addresses
+        del self.everything, self.first_at  # the call's tensors: needed only to read the addresses
         self.native = self._native_launches(rec)
 
     def _launch_template(self, compiled, grid, values, device):
@@ -235,10 +246,10 @@ class Replay:
         args, slots, descriptors = list(values), [], []
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor):
-                slots.append((i, *_identify(value.data_ptr(), self.everything, self.num_inputs)))
+                slots.append((i, *_identify(value.data_ptr(), self.everything, self.first_at, self.num_inputs)))
                 args[i] = None
             elif hasattr(value, "block_shape") and hasattr(value, "base"):
-                j, offset = _identify(value.base.data_ptr(), self.everything, self.num_inputs)
+                j, offset = _identify(value.base.data_ptr(), self.everything, self.first_at, self.num_inputs)
                 if offset:
                     raise _NotReplayable("a TMA descriptor of a view at an offset")
                 descriptors.append((i, j, list(value.shape), list(value.strides), value.padding))

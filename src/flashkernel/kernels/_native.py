@@ -128,10 +128,7 @@ PyMODINIT_FUNC PyInit_flashkernel_launch(void) { return PyModule_Create(&module)
 """
 
 # Scalar packing of Triton's launcher (``backends/nvidia/driver.py``: ``ty_to_cpp`` and the
-# float storage types): the bytes of each parameter, little-endian.
-_INT_FORMATS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q",
-                "u1": "B", "u8": "B", "u16": "H", "u32": "I", "u64": "Q"}
-_FLOAT_FORMATS = {"fp32": "f", "f32": "f", "fp64": "d", "fp16": "e"}
+# float storage types): each parameter one little-endian 8-byte word (``_WORD_CODES``).
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,20 +146,35 @@ def module():
         return None
 
 
-def _flatten(signature: dict, values) -> list[tuple]:
-    """``(type, value)`` of every parameter in order, tuple arguments flattened."""
-    flat = []
+# struct codes of one 8-byte parameter word per scalar type (the value, then zero padding)
+_WORD_CODES = {"i1": "b7x", "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q",
+               "u1": "B7x", "u8": "B7x", "u16": "H6x", "u32": "I4x", "u64": "Q",
+               "fp32": "f4x", "f32": "f4x", "fp64": "d", "fp16": "e6x"}
 
-    def walk(ty, value):
-        if isinstance(ty, tuple):
-            for t, v in zip(ty, value):
-                walk(t, v)
-        else:
-            flat.append((ty, value))
 
-    for ty, value in zip(signature.values(), values):
-        walk(ty, value)
-    return flat
+@functools.lru_cache(maxsize=1024)
+def _packing(signature: tuple) -> tuple | None:
+    """How to pack a launch of ``signature`` (its ``(name, type)`` items): the struct format of
+    the parameter buffer and, per parameter, ``(argument, element or -1, kind)`` with kind
+    ``"ptr"``, ``"int"`` or ``"float"``; None if a parameter is not a plain scalar or pointer.
+    Computed once per signature, so recording a launch packs its parameters in one call."""
+    codes, entries = ["<"], []
+    for arg, (_, ty) in enumerate(signature):
+        if isinstance(ty, tuple) and any(isinstance(t, tuple) for t in ty):
+            return None  # nested tuples: not in our kernels
+        for element, t in (enumerate(ty) if isinstance(ty, tuple) else [(-1, ty)]):
+            if t == "constexpr":
+                continue
+            if t.startswith("*"):
+                codes.append("Q")
+                entries.append((arg, element, "ptr"))
+            elif t in _WORD_CODES:
+                codes.append(_WORD_CODES[t])
+                entries.append((arg, element, "float" if t[0] == "f" else "int"))
+            else:
+                return None  # bf16 scalars, TMA descriptors, ...
+    codes.append("16x")  # Triton's global and profile scratch pointers (none: checked by the caller)
+    return "".join(codes), tuple(entries)
 
 
 def pack(signature: dict, values, pointer_slots: dict) -> tuple[bytes, tuple] | None:
@@ -173,31 +185,21 @@ def pack(signature: dict, values, pointer_slots: dict) -> tuple[bytes, tuple] | 
     ``pointer_slots``: argument index -> ``(source, byte offset)`` of the address it takes.
     Returns ``(bytes, ((parameter index, source, offset), ...))``.
     """
-    if any(isinstance(ty, tuple) and any(isinstance(t, tuple) for t in ty) for ty in signature.values()):
-        return None  # nested tuples: not in our kernels
-    storage, slots, param = bytearray(), [], 0
-    for arg, (ty, value) in enumerate(zip(signature.values(), values)):
-        entries = list(zip(ty, value)) if isinstance(ty, tuple) else [(ty, value)]
-        for t, v in entries:
-            if t == "constexpr":
-                continue
-            if t.startswith("*"):
-                if arg in pointer_slots and not isinstance(ty, tuple):
-                    source, offset = pointer_slots[arg]
-                    slots.append((param, source, offset))
-                    word = struct.pack("<Q", 0)
-                else:
-                    word = struct.pack("<Q", int(v or 0))
-            elif t in _INT_FORMATS:
-                word = struct.pack("<" + _INT_FORMATS[t], int(v))
-            elif t in _FLOAT_FORMATS:
-                word = struct.pack("<" + _FLOAT_FORMATS[t], float(v))
-            else:
-                return None  # bf16 scalars, TMA descriptors, ...
-            storage += word.ljust(8, b"\0")
-            param += 1
-    storage += b"\0" * 16  # Triton's global and profile scratch pointers (none: checked by the caller)
-    return bytes(storage), tuple(slots)
+    packing = _packing(tuple(signature.items()))
+    if packing is None:
+        return None
+    fmt, entries = packing
+    words, slots = [], []
+    for param, (arg, element, kind) in enumerate(entries):
+        value = values[arg] if element < 0 else values[arg][element]
+        if kind == "ptr":
+            if element < 0 and arg in pointer_slots:
+                slots.append((param, *pointer_slots[arg]))
+                value = 0
+            words.append(int(value or 0))
+        else:
+            words.append(int(value) if kind == "int" else float(value))
+    return struct.pack(fmt, *words), tuple(slots)
 
 
 def launch_for(compiled, grid, values, pointer_slots: dict):
