@@ -5,6 +5,7 @@ the table and the result files do)."""
 import json
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +37,7 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "load_config", tiny_config)
     plan = e2e.Plan(models=("llama3-8b",), compiled_models=(), prefill_tokens=20, prompt=12, new_tokens=3,
                     batches=(2,), requests=3, request_prompts=(5, 20), request_new_tokens=3, accuracy_prompt=20,
-                    greedy_tokens=3, repeats=1, dtype="float32", device="cpu")
+                    greedy_tokens=3, repeats=1, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
     rows = e2e.run(plan)
     assert all(r["status"] == "ok" for r in rows), [r.get("message") for r in rows]
     sections = {(r["section"], r["provider"]) for r in rows}
@@ -46,6 +47,8 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     by_key = {(r["section"], r["case"], r["provider"]): r for r in rows}
     greedy = [r for r in rows if "identical_tokens" in r]
     assert {r["identical_tokens"] for r in greedy} == {3}  # float32: the same tokens as sdpa
+    assert {r["fp32_identical_tokens"] for r in greedy} == {3}
+    assert all(r["max_tie_gap"] < 1e-3 for r in greedy)  # every token float32's own argmax
     padded = by_key["accuracy", "b=2 left-padded", "fk_attention"]
     assert padded["top1_vs_baseline"] == 1.0 and padded["max_abs_vs_fp32"] < 1e-4
     for r in rows:

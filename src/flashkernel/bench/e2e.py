@@ -18,7 +18,9 @@ Sections (each measured after a warm-up that compiles what it needs):
 * ``accuracy``: logits of a left-padded and an unpadded batch against the same model in
   float32 (eager attention): max abs difference, top-1 agreement with the baseline (transformers'
   implementation that computes the model exactly: ``sdpa``, ``eager`` for Gemma 2 and gpt-oss);
-  greedy tokens of an unpadded prompt, the first position where they differ from the baseline's.
+  greedy tokens of an unpadded prompt: where they first differ from the baseline's, in the
+  model's dtype and with the model in float32, and how far each token is from the float32
+  model's choice (random weights give flat logits, whose near-ties bf16 rounding flips).
 * ``prefill``: one forward of batch 1 x 8k tokens (logits of the last token only), ms.
 * ``generate``: ``model.generate`` at batch 1 and 8, 2k-token prompts, 256 new tokens (greedy,
   no stop token), tokens/s over the whole call; eager with the dynamic cache, and compiled with
@@ -170,9 +172,40 @@ def random_prompts(model, batch: int, length: int, generator):
 # ---- sections -------------------------------------------------------------------------------------
 
 
+def greedy_tokens(model, provider: str, prompt, mask, tokens: int):
+    """``tokens`` greedy tokens after ``prompt`` (no stop token, no compile)."""
+    use(model, provider)
+    return model.generate(prompt, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                          do_sample=False, disable_compile=True)[0, prompt.shape[1]:]
+
+
+def tie_gaps(reference, prompt, tokens):
+    """How far each greedy token is from the float32 model's choice: ``max(logits) -
+    logits[token]`` of ``reference`` (the model in float32) at each generated position, teacher
+    forced on ``prompt + tokens``. 0 where the token is float32's argmax; a token chosen where two
+    candidates are closer than the bf16 model's own logit error is a tie, not an error."""
+    import torch
+
+    ids = torch.cat([prompt[0], tokens])[None]
+    with torch.no_grad():
+        logits = reference(ids).logits[0, prompt.shape[1] - 1:-1].float()
+    return logits.max(-1).values - logits.gather(-1, tokens[:, None])[:, 0]
+
+
+def _identical(a, b) -> int:
+    same = (a == b).tolist()
+    return same.index(False) if False in same else len(same)
+
+
 def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
     """Logits against float32 (left-padded batch of 2, unpadded batch of 1) and greedy tokens,
-    each provider against :func:`exact_baseline` (run too if it is not among them)."""
+    each provider against :func:`exact_baseline` (run too if it is not among them).
+
+    Greedy tokens, three ways: in the model's dtype against the baseline's (random weights give
+    flat logits, so bf16 rounding flips near-ties: ``identical_tokens`` counts the tokens before the
+    first difference); each token's :func:`tie_gaps` against the float32 model (``max_tie_gap``,
+    in logit units, beside the baseline's logit error ``noise``); and the same model in float32,
+    where there are no bf16 ties, against the baseline in float32 (``fp32_identical_tokens``)."""
     import torch
 
     baseline = exact_baseline(model)
@@ -191,30 +224,32 @@ def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
         reference = use(copy.deepcopy(model).float(), "eager")
         truth = {case: reference(x, attention_mask=m, position_ids=positions[-x.shape[0]:]).logits.float()
                  for case, (x, m) in cases.items()}
-        del reference
+    noise = 0.0
     for case, (x, m) in cases.items():
         valid = m.bool()
         base_top = logits[case, baseline][valid].argmax(-1)
         for provider in providers:
             got = logits[case, provider][valid]
-            rows.append(dict(section="accuracy", model=name, case=case, provider=provider,
-                             max_abs_vs_fp32=(got - truth[case][valid]).abs().max().item(),
-                             max_abs_vs_baseline=(got - logits[case, baseline][valid]).abs().max().item(),
-                             top1_vs_baseline=(got.argmax(-1) == base_top).float().mean().item(),
-                             top1_vs_fp32=(got.argmax(-1) == truth[case][valid].argmax(-1)).float().mean().item(),
-                             baseline=baseline))
+            row = dict(section="accuracy", model=name, case=case, provider=provider,
+                       max_abs_vs_fp32=(got - truth[case][valid]).abs().max().item(),
+                       max_abs_vs_baseline=(got - logits[case, baseline][valid]).abs().max().item(),
+                       top1_vs_baseline=(got.argmax(-1) == base_top).float().mean().item(),
+                       top1_vs_fp32=(got.argmax(-1) == truth[case][valid].argmax(-1)).float().mean().item(),
+                       baseline=baseline)
+            rows.append(row)
+            if provider == baseline:
+                noise = max(noise, row["max_abs_vs_fp32"])
     prompt, prompt_mask = random_prompts(model, 1, plan.accuracy_prompt, generator)
-    tokens = {}
+    tokens = {p: greedy_tokens(model, p, prompt, prompt_mask, plan.greedy_tokens) for p in providers}
+    tokens32 = {p: greedy_tokens(reference, p, prompt, prompt_mask, plan.greedy_tokens) for p in providers}
+    use(reference, "eager")
     for provider in providers:
-        use(model, provider)
-        tokens[provider] = model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=plan.greedy_tokens,
-                                          min_new_tokens=plan.greedy_tokens, do_sample=False,
-                                          disable_compile=True)[0, prompt.shape[1]:]
-    for provider in providers:
-        same = (tokens[provider] == tokens[baseline]).tolist()
         rows.append(dict(section="accuracy", model=name, case=f"greedy b=1 {plan.greedy_tokens} tokens",
                          provider=provider, baseline=baseline,
-                         identical_tokens=same.index(False) if False in same else len(same)))
+                         identical_tokens=_identical(tokens[provider], tokens[baseline]),
+                         max_tie_gap=tie_gaps(reference, prompt, tokens[provider]).max().item(), noise=noise,
+                         fp32_identical_tokens=_identical(tokens32[provider], tokens32[baseline])))
+    del reference
     return rows
 
 
@@ -387,7 +422,9 @@ def table(rows: list[dict], markdown: bool = False) -> str:
         if r.get("status") == "error":
             timed_rows.append([r["model"], r["section"], "error", "", "", r["message"][:80]])
         elif r["section"] == "accuracy" and "identical_tokens" in r:
-            accuracy.append([r["model"], r["case"], r["provider"], "", "", f"{r['identical_tokens']} identical"])
+            accuracy.append([r["model"], r["case"], r["provider"], f"gap {r['max_tie_gap']:.3g}",
+                             f"noise {r['noise']:.3g}",
+                             f"{r['identical_tokens']} identical (fp32: {r['fp32_identical_tokens']})"])
         elif r["section"] == "accuracy":
             accuracy.append([r["model"], r["case"], r["provider"], f"{r['max_abs_vs_fp32']:.3g}",
                              f"{r['max_abs_vs_baseline']:.3g}", f"{r['top1_vs_baseline']:.4f}"])
