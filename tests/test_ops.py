@@ -50,8 +50,20 @@ def test_opcheck_varlen_fwd():
 def test_opcheck_kvcache_fwd_declares_its_mutation():
     q, k_cache, v_cache, k, v, seqlens = _cache_inputs()
     for new in ((k, v), (None, None)):
-        args = (q, k_cache, v_cache, *new, seqlens, None, None, None, None, True, 0.2, -1, -1, 0.0, 0, True, "auto")
+        args = (q, k_cache, v_cache, *new, seqlens, None, None, None, None, None, None, True, 0.2, -1, -1, 0.0, 0,
+                True, "auto")
         torch.library.opcheck(torch.ops.flashkernel.kvcache_fwd.default, args)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_opcheck_kvcache_fwd_over_a_quantized_cache(granularity):
+    """The append writes the caches and, per token, the scales: all four declared as mutated. (int8:
+    opcheck's schema test multiplies the tensors, which CPU torch does not do for float8.)"""
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(capacity=24, lengths=(3, 20))
+    k8, v8, k_scale, v_scale = flashkernel.quantize_kv(k_cache, v_cache, dtype=torch.int8, granularity=granularity)
+    args = (q, k8, v8, k, v, seqlens, None, None, None, None, k_scale, v_scale, True, 0.2, -1, -1, 0.0, 0, True,
+            "auto")
+    torch.library.opcheck(torch.ops.flashkernel.kvcache_fwd.default, args)
 
 
 # ---- torch.compile ------------------------------------------------------------------------------
