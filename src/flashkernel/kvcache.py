@@ -58,6 +58,18 @@ def _check_page_size(page_size) -> None:
         )
 
 
+def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeroed pages; 1-byte ones as zeroed bytes (float8 has no fill kernel on every device)."""
+    if dtype.itemsize == 1:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (for indexing, which not every device implements for float8)."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
 def _initial_scale(name: str, value, granularity: str, shape, device) -> torch.Tensor:
     """A quantized cache's scale tensor: per token zeros ``[num_blocks, page_size, Hkv]`` (each
     append writes its tokens'); per tensor ``[1]`` / per head ``[Hkv]`` from ``value`` (None:
@@ -138,8 +150,8 @@ class KVCache:
         self.dtype = dtype
         shape = (num_blocks, page_size, num_kv_heads, head_dim)
         cache_dtype = dtype if cache_dtype is None else cache_dtype
-        self.k_pages = torch.zeros(shape, dtype=cache_dtype, device=device)
-        self.v_pages = torch.zeros(shape, dtype=cache_dtype, device=device)
+        self.k_pages = _zeros(shape, cache_dtype, device)
+        self.v_pages = _zeros(shape, cache_dtype, device)
         self.scale_granularity = None
         self.k_scale = self.v_scale = None
         if cache_dtype != dtype:
@@ -274,8 +286,8 @@ class KVCache:
             if self.scale_granularity == "token":
                 self.k_scale[where] = k_scale[0]
                 self.v_scale[where] = v_scale[0]
-        self.k_pages[where] = k
-        self.v_pages[where] = v
+        _bytes(self.k_pages)[where] = _bytes(k)
+        _bytes(self.v_pages)[where] = _bytes(v)
         self.advance(n, seq)
 
     def _quantized(self, k, v):
@@ -307,7 +319,8 @@ class KVCache:
         pos = torch.arange(self._lengths[seq])
         pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size].to(self.k_pages.device)
         slots = (pos % self.page_size).to(self.k_pages.device)
-        keys, values = self.k_pages[pages, slots], self.v_pages[pages, slots]
+        keys = _bytes(self.k_pages)[pages, slots].view(self.k_pages.dtype)
+        values = _bytes(self.v_pages)[pages, slots].view(self.v_pages.dtype)
         if self.k_scale is None:
             return keys, values
         if self.scale_granularity == "token":

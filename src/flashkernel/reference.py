@@ -276,7 +276,10 @@ def _token_location(b: int, j: int, page_size: int | None, block_table):
 
 
 def cache_prefix(cache: torch.Tensor, b: int, length: int, block_table=None) -> torch.Tensor:
-    """The first ``length`` tokens of sequence ``b`` as a dense ``[length, Hkv, D]`` copy."""
+    """The first ``length`` tokens of sequence ``b`` as a dense ``[length, Hkv, D]`` copy (any
+    dtype: a float8 cache is gathered as its bytes)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache_prefix(cache.view(torch.uint8), b, length, block_table).view(cache.dtype)
     positions = torch.arange(length, device=cache.device)
     if block_table is None:
         return cache[b, positions]

@@ -9,14 +9,15 @@ Two families, two backends each:
 * decode (``flash_attn_with_kvcache``): ``"triton"`` (``decode.py``: everything) and ``"gluon"``
   (``gluon/decode.py``: plain attention, Hopper, bf16/fp16, head dim 64/128/256, at most 16 rows
   of GQA group x new tokens, contiguous caches or pages of at least 16 keys, no key start,
-  TMA-compatible caches).
+  TMA-compatible caches, in q's dtype or quantized with scales per tensor or KV head).
 
 ``backend="auto"`` takes the Gluon kernel where it is supported and the policy wants it (prefill:
 always, it was faster at every measured shape; decode: while a CUDA graph is being captured,
 paged caches at the tuned head dims whose work items read at most
 ``DecodeTuning.gluon_max_item_tokens`` keys, see ``tuned/decode.json``: its GPU time is lower
 there, but its launch encodes two TMA descriptors on the host, which an eager call pays and a
-graph replay does not), else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
+graph replay does not; quantized caches too where ``DecodeTuning.gluon_quantized`` says so),
+else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
 from :func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
 
 The environment is read once, at import (:data:`SETTINGS`): ``FLASHKERNEL_GLUON=0`` keeps
@@ -213,8 +214,9 @@ def decode_refusal(backend: str, q, k_cache, v_cache, block_table, variant: Vari
     """Why ``backend`` cannot run this (validated) decode call, or None when it can."""
     if backend == "triton":
         return None
-    if k_scale is not None:
-        return "the Gluon decode kernel reads caches in q's dtype only (a quantized cache runs on the Triton kernel)"
+    if k_scale is not None and k_scale.dim() == 3:
+        return ("the Gluon decode kernel takes quantized caches with scales per tensor or per KV head only "
+                "(per-token scales run on the Triton kernel)")
     if not variant.is_plain:
         return "the Gluon decode kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
     if cache_leftpad is not None:
@@ -259,7 +261,7 @@ def decode_backend(backend: str, q, k_cache, v_cache, block_table, variant: Vari
     """The backend that runs this decode call (see the module docstring)."""
     if backend == "auto":
         if (not SETTINGS.gluon or not variant.is_plain or cache_leftpad is not None or interpreted()
-                or k_scale is not None):
+                or (k_scale is not None and not tuned.gluon_quantized)):
             return "triton"  # the cheap tests first: most calls stop here
         if not torch.cuda.is_current_stream_capturing():
             return "triton"  # an eager call: the Triton kernel's launch costs less host time
@@ -297,7 +299,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=N
                      capacity=geometry.capacity, num_blocks=geometry.num_blocks, appended=appended,
                      causal=variant.causal, softmax_scale=softmax_scale,
                      num_splits=num_splits or gluon_decode_splits(q, k_cache, geometry, tuned),
-                     config=gluon.config_for(q.shape[-1], tuned), sms=triton_decode.sm_count(q.device, False))
+                     config=gluon.config_for(q.shape[-1], tuned), sms=triton_decode.sm_count(q.device, False),
+                     k_scale=k_scale, v_scale=v_scale)
     else:
         triton_decode.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, appended=appended,
                                      causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,

@@ -246,7 +246,8 @@ class DecodeTuning:
     ``short_block_n``-key tiles; grids of more than a wave whose programs read at most
     ``multi_wave_max_tokens`` keys (or read small pages) use ``multi_wave_config``. Gluon:
     the default for paged caches at ``gluon_head_dims`` whose work items read at most
-    ``gluon_max_item_tokens`` keys, with ``gluon_configs`` (``head dim -> (block_n, stages)``).
+    ``gluon_max_item_tokens`` keys, with ``gluon_configs`` (``head dim -> (block_n, stages)``),
+    over quantized caches too when ``gluon_quantized``.
     """
 
     contiguous: dict
@@ -265,6 +266,7 @@ class DecodeTuning:
     gluon_head_dims: tuple
     gluon_max_item_tokens: int
     gluon_configs: dict
+    gluon_quantized: bool
 
     def table(self, page_size: int, quantized: bool = False) -> dict:
         """The tile table for a cache layout (``page_size`` 0: contiguous) and element size
@@ -302,6 +304,7 @@ class DecodeTuning:
             max_auto_splits=rules["max_auto_splits"],
             gluon_head_dims=tuple(gluon_part["head_dims"]), gluon_max_item_tokens=gluon_part["max_item_tokens"],
             gluon_configs={int(d): tuple(v) for d, v in gluon_part["configs"].items()},
+            gluon_quantized=gluon_part["quantized"],
         )
 
 
