@@ -111,6 +111,22 @@ def test_compiled_decode_appends_like_eager():
         assert torch.equal(ke, kc) and torch.equal(ve, vc)  # the in-place append happened in both
 
 
+def test_compiled_decode_over_a_quantized_cache_writes_caches_and_scales():
+    """The cache op's four mutations (caches and per-token scales) survive functionalization."""
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(capacity=24, lengths=(3, 20))
+    state = flashkernel.quantize_kv(k_cache, v_cache, dtype=torch.int8, granularity="token")
+    eager, compiled_state = [x.clone() for x in state], [x.clone() for x in state]
+
+    def step(q, k, v, k_cache, v_cache, k_scale, v_scale):
+        return flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                                   k_scale=k_scale, v_scale=v_scale)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v, *compiled_state), step(q, k, v, *eager))
+    for got, want in zip(compiled_state, eager):
+        assert torch.equal(got, want)
+
+
 def test_dynamic_lengths_compile_once():
     from torch._dynamo.testing import CompileCounterWithBackend
 

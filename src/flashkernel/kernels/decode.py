@@ -35,6 +35,15 @@ makes sequence ``b`` attend cache positions ``[start_b, L)``: the kernel works i
 relative to the start (masks and ALiBi depend only on differences of positions) and adds it
 back when it addresses the cache, so the splits share out only the keys that exist.
 
+Quantized caches (``KV_SCALE``, 0 without): float8_e4m3fn or int8 entries with float32 scales,
+one per KV head (a per-tensor scale is a head stride of 0: ``KV_SCALE`` 1) or one per token and
+KV head beside each slot (``KV_SCALE`` 2). The append kernel quantizes the new tokens
+(:func:`_quantized`: ``x / s``, saturated, rounded to nearest even; per-token scales computed
+from the token and stored). The decode kernel computes in fp16 (:func:`_queries_as_f16`,
+:func:`_cache_values`: exact conversions), folds scales per KV head into the scores' scale and
+the output, and applies per-token scales to the columns of ``q k^T`` and of P
+(``_softmax.accumulate_pv``). A cache in q's dtype compiles none of it.
+
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]``, starts to
 ``[0, length]``, and page indices read from the block table to ``[0, num_blocks)``, so bad
 values (when the caller did not validate them) give wrong numbers, never out-of-bounds
