@@ -411,7 +411,7 @@ def test_layouts_gpu(fmt, granularity, page_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, granularity", [(64, "token"), (64, "head"), (256, "token"), (256, "tensor")])
+@pytest.mark.parametrize("head_dim, granularity", [(64, "token"), (256, "head")])
 @pytest.mark.parametrize("heads", [(4, 4), (32, 4), (32, 1)], ids=["gqa1", "gqa8", "gqa32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS.get)
 def test_head_dims_and_groups_gpu(fmt, heads, head_dim, granularity):
@@ -422,6 +422,8 @@ def test_head_dims_and_groups_gpu(fmt, heads, head_dim, granularity):
 @pytest.mark.parametrize("seqlen_new", range(1, 9))
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
 def test_new_tokens_and_splits_gpu(num_splits, seqlen_new):
+    if num_splits == 1 and seqlen_new % 4:
+        pytest.skip("one split is covered at 4 and 8 new tokens")
     run_quantized(GPU_LENGTHS, seqlen_new, (32, 8), 128, 16, torch.float8_e4m3fn, "token", dtype=torch.bfloat16,
                   num_splits=num_splits)
     run_quantized(GPU_LENGTHS, seqlen_new, (32, 8), 128, None, torch.int8, "tensor", dtype=torch.bfloat16,
@@ -440,8 +442,7 @@ def test_variants_gpu(fmt, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("page_size, head_dim", [(None, 128), (16, 128), (64, 128), (256, 128), (16, 64), (16, 256)])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS.get)
 def test_gluon_kernel_gpu(fmt, granularity, page_size, head_dim):
@@ -465,8 +466,7 @@ def test_long_contexts_gpu(fmt, granularity, page_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("page_size, head_dim", [(None, 128), (16, 128), (64, 128), (256, 128), (16, 64), (16, 256)])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS.get)
 def test_unused_slots_hold_nan_gpu(fmt, page_size, head_dim):
     for causal in (True, False):

@@ -4,7 +4,7 @@ them with the kernels of another build: the check that a change left the plain p
     git show f66f25c:src/flashkernel/kernels/prefill.py > /tmp/prefill_before.py
     git show f66f25c:src/flashkernel/kernels/decode.py > /tmp/decode_before.py
     PYTHONPATH=src python benchmarks/tools/plain_ptx.py --before-prefill /tmp/prefill_before.py \\
-        --before-decode /tmp/decode_before.py
+        --before-decode /tmp/decode_before.py [--before-gluon-decode /tmp/gluon_decode_before.py]
 
 Each specialization (bf16, the tuned tile shapes, causal or not, pointer or TMA loads, each
 cache layout) is compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the
@@ -37,11 +37,11 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpr
 from flashkernel.bench.compile_check import compile_triton, ptxas_report  # noqa: E402
 
 
-def load_module(path: str, name: str):
-    """A kernel module file loaded as ``flashkernel.kernels.<name>`` (relative imports work)."""
-    spec = importlib.util.spec_from_file_location(f"flashkernel.kernels.{name}", path)
+def load_module(path: str, name: str, package: str = "flashkernel.kernels"):
+    """A kernel module file loaded as ``<package>.<name>`` (relative imports work)."""
+    spec = importlib.util.spec_from_file_location(f"{package}.{name}", path)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "flashkernel.kernels"
+    module.__package__ = package
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
@@ -197,10 +197,51 @@ def quantized_cases(decode):
                 yield decode._append_kernel, f"{label} {cache_name} {scale_name}", v, warps, stages
 
 
+def gluon_decode_ptx(module, page: int, causal: bool) -> str:
+    """The Gluon decode kernel of ``module`` (a build's ``kernels/gluon/decode.py``) compiled
+    through its own ``launch_args``: bf16, head dim 128, GQA group 4, one new token, 3 splits."""
+    import torch
+
+    from flashkernel.bench.compile_check import compile_gluon
+    from flashkernel.kernels import tuning
+
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)
+    if page == 0:
+        k_cache, table = torch.empty(2, 512, 2, 128, dtype=torch.bfloat16), None
+    else:
+        k_cache, table = torch.empty(64, page, 2, 128, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.int32)
+    parts, parts_lse = torch.empty(3, 2, 1, 8, 128), torch.empty(3, 2, 8, 1)
+    _, args, kwargs = module.launch_args(
+        q, k_cache, torch.empty_like(k_cache), torch.zeros(2, dtype=torch.int32), table, parts, parts_lse,
+        parts.stride()[:4], parts_lse.stride(), appended=0, capacity=512, num_blocks=k_cache.shape[0], page_size=page,
+        num_splits=3, causal=causal, softmax_scale=0.1, config=module.config_for(128, tuning.decode_tuning(None)),
+        sms=132)
+    return compile_gluon(module._gluon_decode_kernel, args, kwargs, {"num_warps": 4}).asm["ptx"]
+
+
+def compare_gluon_decode(before_path: str) -> bool:
+    """The Gluon decode kernel's plain specializations (contiguous, pages of 16 and 256, causal or
+    not) in this build and in ``before_path``."""
+    from flashkernel.kernels.gluon import decode as after
+
+    before = load_module(before_path, "_ptx_before_gluon_decode", "flashkernel.kernels.gluon")
+    ok = True
+    for page in (0, 16, 256):
+        for causal in (False, True):
+            a = canonical_body(gluon_decode_ptx(after, page, causal))
+            b = canonical_body(gluon_decode_ptx(before, page, causal))
+            detail = "identical" if a == b else f"DIFFERENT ({sum(1 for _ in difflib.unified_diff(b, a, n=0)) - 2} diff lines)"
+            print(f"{f'gluon decode page{page} ' + ('causal' if causal else 'full'):32s} {len(a):5d} instructions  "
+                  f"{detail}", flush=True)
+            ok &= a == b
+    return ok
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before-prefill", help="kernels/prefill.py of the build to compare with")
     parser.add_argument("--before-decode", help="kernels/decode.py of the build to compare with")
+    parser.add_argument("--before-gluon-decode", help="kernels/gluon/decode.py of the build to compare with")
     parser.add_argument("--variants", action="store_true", help="also compile every variant, report registers")
     parser.add_argument("--quantized", action="store_true",
                         help="also compile the decode and append kernels over float8_e4m3fn / int8 caches: "
@@ -220,6 +261,8 @@ def main(argv=None) -> int:
             ok &= compare(label, decode._decode_kernel, before._decode_kernel, values, warps, stages, True)
         for label, values, warps, stages in append_plain_cases():
             ok &= compare_append(label, decode._append_kernel, before._append_kernel, values, warps, stages)
+    if args.before_gluon_decode:
+        ok &= compare_gluon_decode(args.before_gluon_decode)
     if args.variants:
         for fn, label, values, warps, stages in variant_cases(prefill, decode):
             ptx = compile_triton(fn, values, warps, stages).asm["ptx"]

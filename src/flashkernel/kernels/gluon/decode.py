@@ -279,8 +279,7 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, SeqLens, Out, Lse, KScale, VScale
                                                BLOCK_N, CAUSAL, True)
             if (j + 1) * BLOCK_N > visible_end:
                 _zero_rows_past(v_smem, visible_end - j * BLOCK_N, HEAD_DIM)
-            v = v_smem.load(b_layout).to(dtype)
-            acc = mma_v2(gl.convert_layout(p.to(dtype), a_layout), v, _rescale(acc, alpha))
+            acc = mma_v2(gl.convert_layout(p.to(dtype), a_layout), v_smem.load(b_layout).to(dtype), _rescale(acc, alpha))
             mbarrier.arrive(empty.index(slot))
             use += 1
         if QUANTIZED:
