@@ -23,6 +23,10 @@ DECODE_SPECS = (
     cc.decode_specs(head_dims=(128,), pages=(0, 16, 256), dtypes=("bfloat16",))
     + cc.decode_specs(head_dims=(64, 256), pages=(16,), dtypes=("bfloat16",), rows=((8, 2),), causal=(True,))
     + cc.decode_specs(head_dims=(128,), pages=(64,), dtypes=("float16",), rows=((4, 1),), causal=(True,))
+    + cc.decode_specs(head_dims=(128,), pages=(0, 16), dtypes=("bfloat16",), rows=((4, 1),), causal=(True,),
+                      cache_dtypes=cc.DECODE_QUANTIZED_CACHES)
+    + cc.decode_specs(head_dims=(64, 256), pages=(256,), dtypes=("float16",), rows=((8, 2),), causal=(False,),
+                      cache_dtypes=("float8_e4m3fn",))
 )
 
 

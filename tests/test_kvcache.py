@@ -519,7 +519,7 @@ def test_append_without_reserve_never_writes_another_sequences_page(validate):
     ((5, 16), (5, 16), torch.float16, r"k has shape \(5, 16\)"),
     ((5, 2, 8), (5, 1, 8), torch.float16, r"v has shape \(5, 1, 8\)"),
     ((5, 2, 8), (4, 2, 8), torch.float16, "k has 5 tokens and v has 4"),
-    ((5, 2, 8), (5, 2, 8), torch.float32, "k has dtype torch.float32 but the cache's pages are torch.float16"),
+    ((5, 2, 8), (5, 2, 8), torch.float32, "k has dtype torch.float32 but the cache takes torch.float16"),
 ], ids=["heads", "head_dim", "rank", "v-heads", "token-count", "dtype"])
 def test_kvcache_append_rejects_bad_tokens_before_reserving(k_shape, v_shape, dtype, match):
     cache = small_cache()
@@ -615,9 +615,10 @@ def decode_backend(request, monkeypatch):
         pytest.skip("Gluon is not importable with this Triton")
     calls = []
 
-    def choose(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad=None):
+    def choose(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad=None,
+               k_scale=None):
         if gluon and dispatch.decode_refusal("gluon", q, k_cache, v_cache, block_table, variant,
-                                             cache_leftpad) is None:
+                                             cache_leftpad, k_scale) is None:
             calls.append(q.shape)
             return "gluon"
         return "triton"

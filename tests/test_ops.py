@@ -50,8 +50,20 @@ def test_opcheck_varlen_fwd():
 def test_opcheck_kvcache_fwd_declares_its_mutation():
     q, k_cache, v_cache, k, v, seqlens = _cache_inputs()
     for new in ((k, v), (None, None)):
-        args = (q, k_cache, v_cache, *new, seqlens, None, None, None, None, True, 0.2, -1, -1, 0.0, 0, True, "auto")
+        args = (q, k_cache, v_cache, *new, seqlens, None, None, None, None, None, None, True, 0.2, -1, -1, 0.0, 0,
+                True, "auto")
         torch.library.opcheck(torch.ops.flashkernel.kvcache_fwd.default, args)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_opcheck_kvcache_fwd_over_a_quantized_cache(granularity):
+    """The append writes the caches and, per token, the scales: all four declared as mutated. (int8:
+    opcheck's schema test multiplies the tensors, which CPU torch does not do for float8.)"""
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(capacity=24, lengths=(3, 20))
+    k8, v8, k_scale, v_scale = flashkernel.quantize_kv(k_cache, v_cache, dtype=torch.int8, granularity=granularity)
+    args = (q, k8, v8, k, v, seqlens, None, None, None, None, k_scale, v_scale, True, 0.2, -1, -1, 0.0, 0, True,
+            "auto")
+    torch.library.opcheck(torch.ops.flashkernel.kvcache_fwd.default, args)
 
 
 # ---- torch.compile ------------------------------------------------------------------------------
@@ -97,6 +109,22 @@ def test_compiled_decode_appends_like_eager():
     assert torch.equal(compiled(qs, ks, vs, seqlens), eager(qs, ks, vs, seqlens))
     for (ke, ve), (kc, vc) in zip(eager_caches, compiled_caches):
         assert torch.equal(ke, kc) and torch.equal(ve, vc)  # the in-place append happened in both
+
+
+def test_compiled_decode_over_a_quantized_cache_writes_caches_and_scales():
+    """The cache op's four mutations (caches and per-token scales) survive functionalization."""
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(capacity=24, lengths=(3, 20))
+    state = flashkernel.quantize_kv(k_cache, v_cache, dtype=torch.int8, granularity="token")
+    eager, compiled_state = [x.clone() for x in state], [x.clone() for x in state]
+
+    def step(q, k, v, k_cache, v_cache, k_scale, v_scale):
+        return flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                                   k_scale=k_scale, v_scale=v_scale)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v, *compiled_state), step(q, k, v, *eager))
+    for got, want in zip(compiled_state, eager):
+        assert torch.equal(got, want)
 
 
 def test_dynamic_lengths_compile_once():

@@ -14,7 +14,7 @@ from helpers import needs_interpreter
 
 PACKAGE_ROOT = str(Path(flashkernel.__file__).resolve().parents[1])
 API = ("DecodePlan", "KVCache", "VarlenPlan", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-       "reference", "standard_attention")
+       "quantize_kv", "reference", "standard_attention")
 
 
 def run_python(code: str, **env) -> str:

@@ -4,7 +4,7 @@ them with the kernels of another build: the check that a change left the plain p
     git show f66f25c:src/flashkernel/kernels/prefill.py > /tmp/prefill_before.py
     git show f66f25c:src/flashkernel/kernels/decode.py > /tmp/decode_before.py
     PYTHONPATH=src python benchmarks/tools/plain_ptx.py --before-prefill /tmp/prefill_before.py \\
-        --before-decode /tmp/decode_before.py
+        --before-decode /tmp/decode_before.py [--before-gluon-decode /tmp/gluon_decode_before.py]
 
 Each specialization (bf16, the tuned tile shapes, causal or not, pointer or TMA loads, each
 cache layout) is compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the
@@ -12,7 +12,10 @@ argument attributes a real launch gets (pointers and strides 16-divisible). The 
 are compared after dropping parameter declarations and loads, debug sections and location
 labels, and renaming virtual registers in order of first use: "identical" means the same
 instructions in the same order. ``--variants`` also compiles every variant specialization and
-reports registers and spills from ptxas (the ``-v`` report of the bundled ptxas).
+reports registers and spills from ptxas (the ``-v`` report of the bundled ptxas); ``--quantized``
+the decode and append kernels over float8_e4m3fn and int8 caches (and fails when the append's
+round-half-even addition was folded away). The append kernel's plain specialization is compared
+too (``--before-decode``).
 
 Both builds' kernels are compiled with the arguments a plain launch passes: the current
 kernels take every feature's arguments (inert for a plain call) and strides as tuples, the
@@ -34,11 +37,11 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpr
 from flashkernel.bench.compile_check import compile_triton, ptxas_report  # noqa: E402
 
 
-def load_module(path: str, name: str):
-    """A kernel module file loaded as ``flashkernel.kernels.<name>`` (relative imports work)."""
-    spec = importlib.util.spec_from_file_location(f"flashkernel.kernels.{name}", path)
+def load_module(path: str, name: str, package: str = "flashkernel.kernels"):
+    """A kernel module file loaded as ``<package>.<name>`` (relative imports work)."""
+    spec = importlib.util.spec_from_file_location(f"{package}.{name}", path)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "flashkernel.kernels"
+    module.__package__ = package
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
@@ -109,7 +112,8 @@ def as_current(values: dict, decode: bool) -> dict:
         current[name] = ("i32",) * n
     if decode:
         current.update(Starts="*i32", seqlens_stride="i32", sink_stride="i32", start_stride="i32", HAS_START=False,
-                       _unit_strides=DECODE_UNIT)
+                       KScale=values["Q"], VScale=values["Q"], ks_strides=("i32",) * 3, vs_strides=("i32",) * 3,
+                       KV_SCALE=0, _unit_strides=DECODE_UNIT)
     else:
         current.update(CuSeqlensQ=values["Q"], CuSeqlensK=values["Q"], sink_stride="i32", num_seqs=1,
                        IS_VARLEN=False, BLOCK_B=1)
@@ -156,11 +160,92 @@ def compare(label, fn_after, fn_before, values, warps, stages, decode: bool) -> 
     return same
 
 
+def append_plain_cases():
+    for page in (0, 16):
+        values = dict(KNew="*bf16", VNew="*bf16", K="*bf16", V="*bf16", KScale="*bf16", VScale="*bf16",
+                      BlockTable="*i32", SeqLens="*i32", HEAD_DIM=128, BLOCK_D=128, BLOCK_H=8, PAGE_SIZE=page,
+                      KV_SCALE=0, _unit_strides=("stride_btn", "stride_sl"))
+        yield f"append page{page}", values, 4, 3
+
+
+def compare_append(label, fn_after, fn_before, values, warps, stages) -> bool:
+    """The append kernel's plain specialization in both builds (arguments a build lacks are ignored)."""
+    after = compile_triton(fn_after, values, warps, stages).asm["ptx"]
+    before = compile_triton(fn_before, values, warps, stages).asm["ptx"]
+    a, b = canonical_body(after), canonical_body(before)
+    detail = "identical" if a == b else f"DIFFERENT ({sum(1 for _ in difflib.unified_diff(b, a, n=0)) - 2} diff lines)"
+    print(f"{label:32s} {len(a):5d} instructions  {detail}  [{resources(after)}]", flush=True)
+    return a == b
+
+
+QUANTIZED = {"fp8": "*fp8e4nv", "int8": "*i8"}
+SCALES = {"per-head": 1, "per-token": 2}  # KV_SCALE; per tensor compiles as per head (head stride 0)
+ROUNDING_CONSTANT = "0f4B000000"  # 2**23, the round-half-even addition of decode._round_half_even
+
+
+def quantized_cases(decode):
+    """The decode kernel over quantized caches (every page layout of the plain cases) and the
+    quantizing append kernel."""
+    for cache_name, cache in QUANTIZED.items():
+        for scale_name, mode in SCALES.items():
+            for label, values, warps, stages in decode_plain_cases():
+                v = {**as_current(values, True), "K": cache, "V": cache, "KScale": "*fp32", "VScale": "*fp32",
+                     "KV_SCALE": mode}
+                yield decode._decode_kernel, f"{label} {cache_name} {scale_name}", v, warps, stages
+            for label, values, warps, stages in append_plain_cases():
+                v = {**values, "K": cache, "V": cache, "KScale": "*fp32", "VScale": "*fp32", "KV_SCALE": mode}
+                yield decode._append_kernel, f"{label} {cache_name} {scale_name}", v, warps, stages
+
+
+def gluon_decode_ptx(module, page: int, causal: bool) -> str:
+    """The Gluon decode kernel of ``module`` (a build's ``kernels/gluon/decode.py``) compiled
+    through its own ``launch_args``: bf16, head dim 128, GQA group 4, one new token, 3 splits."""
+    import torch
+
+    from flashkernel.bench.compile_check import compile_gluon
+    from flashkernel.kernels import tuning
+
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)
+    if page == 0:
+        k_cache, table = torch.empty(2, 512, 2, 128, dtype=torch.bfloat16), None
+    else:
+        k_cache, table = torch.empty(64, page, 2, 128, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.int32)
+    parts, parts_lse = torch.empty(3, 2, 1, 8, 128), torch.empty(3, 2, 8, 1)
+    _, args, kwargs = module.launch_args(
+        q, k_cache, torch.empty_like(k_cache), torch.zeros(2, dtype=torch.int32), table, parts, parts_lse,
+        parts.stride()[:4], parts_lse.stride(), appended=0, capacity=512, num_blocks=k_cache.shape[0], page_size=page,
+        num_splits=3, causal=causal, softmax_scale=0.1, config=module.config_for(128, tuning.decode_tuning(None)),
+        sms=132)
+    return compile_gluon(module._gluon_decode_kernel, args, kwargs, {"num_warps": 4}).asm["ptx"]
+
+
+def compare_gluon_decode(before_path: str) -> bool:
+    """The Gluon decode kernel's plain specializations (contiguous, pages of 16 and 256, causal or
+    not) in this build and in ``before_path``."""
+    from flashkernel.kernels.gluon import decode as after
+
+    before = load_module(before_path, "_ptx_before_gluon_decode", "flashkernel.kernels.gluon")
+    ok = True
+    for page in (0, 16, 256):
+        for causal in (False, True):
+            a = canonical_body(gluon_decode_ptx(after, page, causal))
+            b = canonical_body(gluon_decode_ptx(before, page, causal))
+            detail = "identical" if a == b else f"DIFFERENT ({sum(1 for _ in difflib.unified_diff(b, a, n=0)) - 2} diff lines)"
+            print(f"{f'gluon decode page{page} ' + ('causal' if causal else 'full'):32s} {len(a):5d} instructions  "
+                  f"{detail}", flush=True)
+            ok &= a == b
+    return ok
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before-prefill", help="kernels/prefill.py of the build to compare with")
     parser.add_argument("--before-decode", help="kernels/decode.py of the build to compare with")
+    parser.add_argument("--before-gluon-decode", help="kernels/gluon/decode.py of the build to compare with")
     parser.add_argument("--variants", action="store_true", help="also compile every variant, report registers")
+    parser.add_argument("--quantized", action="store_true",
+                        help="also compile the decode and append kernels over float8_e4m3fn / int8 caches: "
+                             "registers, spills, and whether the append's rounding survived compilation")
     args = parser.parse_args(argv)
     from flashkernel.kernels import decode, prefill
 
@@ -174,10 +259,24 @@ def main(argv=None) -> int:
         before = load_module(args.before_decode, "_ptx_before_decode")
         for label, values, warps, stages in decode_plain_cases():
             ok &= compare(label, decode._decode_kernel, before._decode_kernel, values, warps, stages, True)
+        for label, values, warps, stages in append_plain_cases():
+            ok &= compare_append(label, decode._append_kernel, before._append_kernel, values, warps, stages)
+    if args.before_gluon_decode:
+        ok &= compare_gluon_decode(args.before_gluon_decode)
     if args.variants:
         for fn, label, values, warps, stages in variant_cases(prefill, decode):
             ptx = compile_triton(fn, values, warps, stages).asm["ptx"]
             print(f"{label:40s} {resources(ptx)}", flush=True)
+    if args.quantized:
+        for fn, label, values, warps, stages in quantized_cases(decode):
+            ptx = compile_triton(fn, values, warps, stages).asm["ptx"]
+            body = canonical_body(ptx)
+            extra = ""
+            if fn is decode._append_kernel:
+                kept = sum(ROUNDING_CONSTANT in line for line in body) >= 2
+                ok &= kept
+                extra = "  rounding kept" if kept else "  ROUNDING FOLDED AWAY"
+            print(f"{label:40s} {len(body):5d} instructions  [{resources(ptx)}]{extra}", flush=True)
     return 0 if ok else 1
 
 

@@ -8,7 +8,9 @@ output of ``flashkernel report DIR --markdown``, and between ``<!-- callcost:sta
 (``flashkernel bench overhead``), ``backward.json`` (``python -m flashkernel.bench.backward``) and
 ``../h200x2/context_parallel.json`` (``torchrun ... -m flashkernel.bench.context_parallel``), and
 between ``<!-- e2e:start -->`` and its end with the tables of ``e2e.json`` (``flashkernel bench
-e2e``); the tables are never typed by hand.
+e2e``), and between ``<!-- kvquant:start -->`` / ``<!-- kvquant-accuracy:start -->`` and their ends
+with the quantized-cache tables of ``kvquant.json`` (``flashkernel bench kvquant``); the tables
+are never typed by hand.
 """
 
 import json
@@ -114,6 +116,37 @@ def e2e_table(results: Path) -> str:
             f"{env['timestamp']})\n\n{e2e.table(doc['rows'], markdown=True)}")
 
 
+KVQUANT_COLUMNS = (("bf16", None), ("fp8", "tensor"), ("fp8", "token"), ("int8", "tensor"), ("int8", "token"))
+
+
+def kvquant_table(results: Path) -> str:
+    """Decode steps over bf16 / fp8 / int8 caches (``kvquant.json``, Triton kernel, graph replays)."""
+    doc = json.loads((results / "kvquant.json").read_text())
+    rows = [r for r in doc["rows"] if r["section"] == "perf" and r["provider"] == "triton"]
+    by = {(r["layout"], r["batch"], r["context"], r["format"], r["granularity"]): r for r in rows}
+    lines = [f"One decode step (32 query / 8 KV heads, head dim 128, bf16 queries, no append), CUDA-graph "
+             f"replays: microseconds (time over the bf16 cache's, fraction of the {doc['read_gbps']:.0f} GB/s "
+             "read bandwidth measured in the same run, on the bytes actually read):", "",
+             "| batch | context | cache | " + " | ".join(f"{f}" + (f" per {g}" if g else "") for f, g in KVQUANT_COLUMNS)
+             + " |", "| ---: | ---: | --- |" + " ---: |" * len(KVQUANT_COLUMNS)]
+    for layout, batch, context in sorted({(r["layout"], r["batch"], r["context"]) for r in rows},
+                                         key=lambda k: (k[0], k[1], k[2])):
+        cells = []
+        for fmt, granularity in KVQUANT_COLUMNS:
+            r = by.get((layout, batch, context, fmt, granularity))
+            cells.append("-" if r is None else f"{r['graph_us']:.1f} ({r['graph_ratio_vs_bf16']:.2f}x, "
+                                               f"{r['fraction_of_read']:.0%})")
+        lines.append(f"| {batch} | {context} | {layout} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def kvquant_accuracy_table(results: Path) -> str:
+    from flashkernel.bench.kvquant import accuracy_markdown
+
+    rows = [r for r in json.loads((results / "kvquant.json").read_text())["rows"] if r["section"] == "accuracy"]
+    return accuracy_markdown(rows)
+
+
 def main(results_dir: str) -> int:
     report = subprocess.run(
         [sys.executable, "-m", "flashkernel.cli", "report", results_dir, "--markdown"],
@@ -132,6 +165,9 @@ def main(results_dir: str) -> int:
         text = _replace(text, "training", training_table(results))
     if (results / "e2e.json").exists():
         text = _replace(text, "e2e", e2e_table(results))
+    if (results / "kvquant.json").exists():
+        text = _replace(text, "kvquant", kvquant_table(results))
+        text = _replace(text, "kvquant-accuracy", kvquant_accuracy_table(results))
     readme.write_text(text)
     print(f"updated {readme} from {results_dir}")
     return 0

@@ -9,6 +9,8 @@ Public API:
                              window, softcap, ALiBi, sinks; optional log-sum-exp
     flash_attn_varlen_func   the same over packed sequences (``cu_seqlens``), no padding
     flash_attn_with_kvcache  decode: append new k/v to a contiguous or paged KV cache, attend
+                             (caches in q's dtype, or quantized: float8_e4m3fn / int8 with scales)
+    quantize_kv              an existing cache converted to float8_e4m3fn / int8 with its scales
     KVCache                  a paged KV cache's bookkeeping (pages, block table, lengths)
     DecodePlan               one decode step planned once (lengths, pages, shapes), run per layer
     VarlenPlan               one packed batch planned once (cu_seqlens), run per layer
@@ -30,6 +32,7 @@ _LAZY = {
     "flash_attn_varlen_func": "interface",
     "standard_attention": "interface",
     "flash_attn_with_kvcache": "interface",
+    "quantize_kv": "interface",
     "KVCache": "kvcache",
     "DecodePlan": "plans",
     "VarlenPlan": "plans",

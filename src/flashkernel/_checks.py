@@ -158,6 +158,8 @@ def check_qkv(q, k, v, interpreted: bool) -> None:
 
 MAX_PAGE_SIZE = 256
 MAX_NUM_SPLITS = 256
+QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
+SCALE_GRANULARITIES = ("tensor", "head", "token")
 
 
 def check_int32_vector(name: str, x, length: int, what: str) -> None:
@@ -250,7 +252,121 @@ def check_optional_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool or None, got {type(value).__name__} {value!r}")
 
 
-def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, interpreted) -> None:
+def check_cache_dtypes(q, k_cache, v_cache) -> bool:
+    """The caches are in q's dtype, or both in one quantized format (float8_e4m3fn or int8).
+    Returns whether they are quantized."""
+    quantized = [x.dtype in QUANTIZED_CACHE_DTYPES for x in (k_cache, v_cache)]
+    if not any(quantized):
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.dtype not in SUPPORTED_DTYPES:
+                accepted = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES + QUANTIZED_CACHE_DTYPES)
+                raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; a cache is in q's dtype or quantized: "
+                                f"supported dtypes are {accepted}")
+        check_same_dtype((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+        return False
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(
+            f"k_cache has dtype {_dtype_name(k_cache.dtype)} but v_cache has {_dtype_name(v_cache.dtype)}: a "
+            "quantized cache keeps keys and values in one format (float8_e4m3fn or int8; flashkernel.quantize_kv "
+            "converts a cache)")
+    return True
+
+
+def scale_granularity(scale: torch.Tensor) -> str:
+    """``"tensor"`` (shape ``[]`` or ``[1]``), ``"head"`` (``[Hkv]``) or ``"token"`` (3-D: the
+    cache's leading dims) of a validated scale."""
+    if scale.dim() == 3:
+        return "token"
+    return "tensor" if scale.numel() == 1 else "head"
+
+
+def scale_shapes(k_cache: torch.Tensor) -> str:
+    """The accepted scale shapes of a cache, for messages."""
+    return (f"[1] (per tensor), [{k_cache.shape[2]}] (per KV head) or {list(k_cache.shape[:3])} "
+            "(per token and KV head: the cache's leading dims)")
+
+
+def check_kv_scales(k_scale, v_scale, k_cache, quantized: bool) -> None:
+    """None for a cache in q's dtype; for a quantized cache, float32 scales of one granularity on
+    the cache's device (values unread: they must be positive and finite)."""
+    named = (("k_scale", k_scale), ("v_scale", v_scale))
+    if not quantized:
+        for name, scale in named:
+            if scale is not None:
+                raise ValueError(
+                    f"{name} is given but the cache has dtype {_dtype_name(k_cache.dtype)}: scales belong to a "
+                    "quantized cache (float8_e4m3fn or int8); leave k_scale and v_scale None")
+        return
+    accepted = {(), (1,), (k_cache.shape[2],), tuple(k_cache.shape[:3])}
+    for name, scale in named:
+        if scale is None:
+            raise ValueError(
+                f"k_cache has dtype {_dtype_name(k_cache.dtype)} (a quantized cache) but {name} is None: pass "
+                f"k_scale and v_scale, float32 {scale_shapes(k_cache)}")
+        check_tensor(name, scale)
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{name} has dtype {_dtype_name(scale.dtype)}; scales must be float32 (call .float() on it)")
+        if tuple(scale.shape) not in accepted:
+            raise ValueError(f"{name} has shape {tuple(scale.shape)}; a scale is {scale_shapes(k_cache)}")
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device} but k_cache is on {k_cache.device}: move it to the "
+                             "cache's device")
+    k_kind, v_kind = scale_granularity(k_scale), scale_granularity(v_scale)
+    if k_kind != v_kind:
+        raise ValueError(f"k_scale is per {k_kind} and v_scale per {v_kind}: keys and values take scales of one "
+                         "granularity")
+
+
+def check_quantized_dtype(dtype) -> None:
+    """A quantized cache's format: float8_e4m3fn or int8."""
+    if dtype not in QUANTIZED_CACHE_DTYPES:
+        accepted = " or ".join(f"torch.{_dtype_name(d)}" for d in QUANTIZED_CACHE_DTYPES)
+        raise TypeError(f"dtype must be {accepted} (the quantized cache formats), got {dtype!r}")
+
+
+def check_granularity(granularity) -> None:
+    if granularity not in SCALE_GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(map(repr, SCALE_GRANULARITIES))}, got {granularity!r}")
+
+
+def check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale, interpreted: bool) -> None:
+    """``quantize_kv``: caches ``[N, S, Hkv, D]`` in one float dtype (float16, bfloat16, float32),
+    a quantized format, a granularity, and static scales only for per-tensor/per-head."""
+    named = (("k_cache", k_cache), ("v_cache", v_cache))
+    for name, x in named:
+        check_tensor(name, x)
+        check_rank(name, x, 4, "[batch or num_blocks, seqlen or page_size, kv_heads, head_dim]")
+        check_dtype(name, x)
+    check_same_dtype(named)
+    check_same_device(named)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} and v_cache has shape {tuple(v_cache.shape)}: "
+                         "they must have the same shape")
+    check_device("k_cache", k_cache, interpreted)
+    check_head_dim("k_cache", k_cache.shape[3])
+    for name, x in named:
+        check_last_dim_contiguous(name, x)
+    check_quantized_dtype(dtype)
+    check_granularity(granularity)
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if granularity == "token":
+            raise ValueError(f"{name} is given with granularity 'token': per-token scales are computed from the "
+                             "values; pass none")
+        shape = (1,) if granularity == "tensor" else (k_cache.shape[2],)
+        check_tensor(name, scale)
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{name} has dtype {_dtype_name(scale.dtype)}; scales must be float32 (call .float() on it)")
+        if tuple(scale.shape) != shape and not (granularity == "tensor" and scale.dim() == 0):
+            raise ValueError(f"{name} has shape {tuple(scale.shape)}; a per-{granularity} scale has shape {shape}")
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device} but k_cache is on {k_cache.device}: move it to the "
+                             "cache's device")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, interpreted,
+                         k_scale=None, v_scale=None) -> None:
     """Shapes, dtypes and devices of ``flash_attn_with_kvcache``'s tensors (no data is read)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, x)
@@ -262,19 +378,22 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     check_new_kv(q, k, v, k_cache)
     check_int32_vector("cache_seqlens", cache_seqlens, batch, "one length per sequence of q")
 
-    floats = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    floats = [("q", q)]
     if k is not None:
         floats += [("k", k), ("v", v)]
     for name, x in floats:
         check_dtype(name, x)
     check_same_dtype(floats)
+    caches = [("k_cache", k_cache), ("v_cache", v_cache)]
+    quantized = check_cache_dtypes(q, k_cache, v_cache)
     indices = [("cache_seqlens", cache_seqlens)]
     if block_table is not None:
         indices.append(("block_table", block_table))
-    check_same_device(floats + indices)
+    check_same_device(floats + caches + indices)
+    check_kv_scales(k_scale, v_scale, k_cache, quantized)
     check_device("q", q, interpreted)
     check_head_dim("q", q.shape[3])
-    for name, x in floats:
+    for name, x in floats + caches:
         check_last_dim_contiguous(name, x)
 
 

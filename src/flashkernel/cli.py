@@ -5,6 +5,7 @@
     flashkernel bench prefill|decode|all   side-by-side benchmark, result files and plots
     flashkernel bench variants|overhead    variants vs FlexAttention; call cost vs cuDNN
     flashkernel bench e2e [--quick]        transformers models on flashkernel vs sdpa (tokens/s)
+    flashkernel bench kvquant              decode over bf16 / fp8 / int8 caches; each format's error
     flashkernel profile [shape options]    one configuration under Nsight Compute
     flashkernel plot DIR                   re-draw the plots from the result files in DIR
     flashkernel report DIR [--markdown]    print their tables (Markdown for the README)
@@ -254,11 +255,28 @@ def cmd_bench_e2e(args, device) -> int:
     return e2e.main(argv)
 
 
+def cmd_bench_kvquant(args, device) -> int:
+    """``bench kvquant``: decode steps over bf16 / float8_e4m3fn / int8 caches and each format's
+    error against a bf16 cache (``bench/kvquant.py``; without a GPU, the error only)."""
+    from .bench import kvquant
+
+    out_dir = Path(args.out) if args.out else default_out_dir(device)
+    argv = ["--out", str(out_dir)]
+    if args.quick:
+        argv.append("--quick")
+    if device != "cuda":
+        print("no CUDA device: only the accuracy section (float64 reference, no kernel) runs here")
+        argv += ["--sections", "accuracy"]
+    return kvquant.main(argv)
+
+
 def cmd_bench(args, argv, device, parser) -> int:
     if args.workload == "e2e":
         return cmd_bench_e2e(args, device)
     if args.workload == "variants":
         return cmd_bench_variants(args, device)
+    if args.workload == "kvquant":
+        return cmd_bench_kvquant(args, device)
     if args.workload == "overhead":
         return cmd_bench_overhead(args, device)
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
@@ -416,12 +434,13 @@ def _shape_options() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", parents=[_shape_options()], help="side-by-side benchmark",
                            description="Benchmark flashkernel against every provider importable here.")
-    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "overhead", "e2e", "all"),
+    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "overhead", "e2e", "kvquant", "all"),
                        default="all",
                        help="what to benchmark (default: all = prefill and decode; variants: window, "
                             "softcap, ALiBi, sinks, varlen against FlexAttention; overhead: host and GPU time "
                             "per call against cuDNN; e2e: transformers models, prefill, generate and continuous "
-                            "batching against sdpa, see python -m flashkernel.bench.e2e --help)")
+                            "batching against sdpa, see python -m flashkernel.bench.e2e --help; kvquant: decode "
+                            "over bf16 / fp8 / int8 caches and each format's error)")
     bench.add_argument("--quick", action="store_true", help="a short sweep")
     bench.add_argument("--providers", nargs="+", help="only these providers (see --list-providers)")
     bench.add_argument("--skip-providers", nargs="+", help="leave these providers out")

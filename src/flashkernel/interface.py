@@ -16,7 +16,7 @@ from . import _checks, ops
 from .kernels import decode, dispatch, naive
 from .kernels._launch import CallCache, allocate, layouts
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "standard_attention"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_kv", "standard_attention"]
 
 MAX_NAIVE_ROWS = 65535  # grid-axis limit of the naive kernels' (batch * heads) axis
 
@@ -363,9 +363,9 @@ def standard_attention(
 
 
 def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
-                      softmax_scale, num_splits, return_lse, validate) -> float:
+                      softmax_scale, num_splits, return_lse, validate, k_scale=None, v_scale=None) -> float:
     _checks.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                 kernels_interpreted())
+                                 kernels_interpreted(), k_scale, v_scale)
     _checks.check_cache_leftpad(cache_leftpad, q)
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         _checks.check_flag(name, flag)
@@ -390,6 +390,8 @@ def flash_attn_with_kvcache(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None = None,
     cache_leftpad: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = _checks.NO_WINDOW,
@@ -406,7 +408,8 @@ def flash_attn_with_kvcache(
     Args:
         q: ``[batch, seqlen_q, num_heads, head_dim]``, the new tokens' queries; ``seqlen_q`` is
             1 for plain decode, more for speculative or chunked tokens.
-        k_cache, v_cache: the cache, in one of two layouts (same shape, same dtype as q):
+        k_cache, v_cache: the cache, in one of two layouts (same shape; q's dtype, or both
+            quantized: ``torch.float8_e4m3fn`` or ``torch.int8`` with ``k_scale``/``v_scale``):
 
             * contiguous ``[batch, max_seqlen, num_kv_heads, head_dim]``: sequence ``b``'s
               token ``j`` is ``k_cache[b, j]``;
@@ -435,6 +438,32 @@ def flash_attn_with_kvcache(
             ``L - cache_leftpad[b]`` keys. Masks and ALiBi depend only on differences of
             positions, so they are unchanged; new keys are still written at
             ``cache_seqlens[b]``. Values are clamped to ``[0, L]``.
+        k_scale, v_scale: float32 scales of a quantized cache (required with one, refused
+            without), on its device, both of one granularity told by the shape:
+
+            * ``[1]`` (or ``[]``): one per tensor (vLLM's default);
+            * ``[num_kv_heads]``: one per KV head;
+            * the cache's leading dims, ``[batch, max_seqlen, num_kv_heads]`` (contiguous) or
+              ``[num_blocks, page_size, num_kv_heads]`` (paged): one per token and KV head,
+              beside each cache slot.
+
+            Cache entry ``c`` with scale ``s`` stands for ``c * s``. Appended tokens are
+            quantized in the append kernel: ``x / s`` in float32, saturated to the format's
+            range (+-448 for e4m3, +-127 for int8), rounded to nearest even. With per-tensor or
+            per-head scales, ``s`` is the given (static) scale: values beyond ``448 * s`` (int8:
+            ``127 * s``) saturate. With per-token scales each new token and head gets ``s = max
+            |x| / 448`` (int8: ``/ 127``) from its own values, written to its slot of
+            ``k_scale``/``v_scale`` (so those are modified in place, like the caches). The
+            scales are device tensors, so nothing syncs with the host and a step stays CUDA-graph
+            capturable; values are not checked (they must be positive and finite). q stays
+            bf16/fp16/fp32; softmax statistics and accumulation stay float32.
+            ``flashkernel.quantize_kv`` converts an existing cache; ``KVCache(cache_dtype=...)``
+            keeps one.
+
+            Accuracy: against float64 attention over the dequantized cache (``c * s``, see
+            ``reference.dequantize``) the same bound as a cache in q's dtype holds (the kernels'
+            error is at most twice PyTorch's, plus the output's rounding); the error of the
+            quantization itself, against a bf16 cache, is in the README ("Quantized KV cache").
         causal: the new tokens attend causally among themselves, aligned to the end of each
             sequence: query ``t`` sees keys ``j <= L - seqlen_q + t``. With cache_seqlens = 3
             and two new tokens appended (L = 5), 1 = visible::
@@ -496,7 +525,10 @@ def flash_attn_with_kvcache(
         ...                               cache_seqlens=cache.cache_seqlens, block_table=cache.block_table)
         >>> cache.advance(1)                                   # cache_seqlens += 1
     """
-    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
+    # The scales' layouts are part of the replay key, like the caches' dtypes: a call over a
+    # quantized cache never replays the launches of a call over another format or granularity.
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
+               v_scale)
     key = None
     if _eager(tensors) and validate is not True:
         key = _key("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend,
@@ -505,7 +537,7 @@ def flash_attn_with_kvcache(
         if results is not None:
             return results if return_lse else results[0]
     scale = _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
-                              softmax_scale, num_splits, return_lse, validate)
+                              softmax_scale, num_splits, return_lse, validate, k_scale, v_scale)
     batch, seqlen_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
     dispatch.check_backend(backend)
@@ -513,7 +545,84 @@ def flash_attn_with_kvcache(
         out, lse = _empty_results(q, return_lse, sinks)
         return (out, lse) if return_lse else out
     scalars = (causal, scale, window[0], window[1], cap, num_splits, return_lse, backend)
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks))
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks),
+             ("k_scale", k_scale), ("v_scale", v_scale))
     out, lse = _run("kvcache_fwd", "flash_attn_with_kvcache", key, tensors, named,
                     lambda: ops.kvcache_fwd_impl(*tensors, *scalars), lambda: ops.kvcache_fwd(*tensors, *scalars))
     return (out, lse) if return_lse else out
+
+
+# The largest magnitude each quantized format stores (``reference.QUANT_MAX``).
+QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+AMAX_CHUNK_ELEMENTS = 2**26  # |x| is taken a chunk at a time: no cache-sized temporary
+
+
+def _static_scale(x: torch.Tensor, granularity: str, dtype: torch.dtype) -> torch.Tensor:
+    """``max |x| / QUANT_MAX`` over the whole cache ``[N, S, Hkv, D]`` (``[1]``) or per KV head
+    (``[Hkv]``), float32 on x's device (no host sync); 1 where the cache is all zeros."""
+    if x.numel() == 0:
+        return torch.ones(1 if granularity == "tensor" else x.shape[2], dtype=torch.float32, device=x.device)
+    rows = max(1, AMAX_CHUNK_ELEMENTS // x[0].numel())
+    parts = [x[i:i + rows].abs().amax(dim=(0, 1, 3)) for i in range(0, x.shape[0], rows)]
+    largest = torch.stack(parts).amax(dim=0).float()
+    if granularity == "tensor":
+        largest = largest.amax().reshape(1)
+    scale = largest / QUANT_MAX[dtype]
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "tensor",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+):
+    """Quantize an existing KV cache (e.g. a prefilled prompt's) for :func:`flash_attn_with_kvcache`.
+
+    Args:
+        k_cache, v_cache: ``[batch, max_seqlen, num_kv_heads, head_dim]`` or ``[num_blocks,
+            page_size, num_kv_heads, head_dim]``, float16, bfloat16 or float32 (the layout does
+            not matter: every slot is converted, through the decode path's append kernel).
+        dtype: ``torch.float8_e4m3fn`` (default) or ``torch.int8``.
+        granularity: ``"tensor"`` (default; one scale each for K and V), ``"head"`` (one per KV
+            head) or ``"token"`` (one per slot and KV head, from the slot's own values).
+        k_scale, v_scale: static scales to use (``"tensor"``: float32 ``[1]``, ``"head"``:
+            ``[num_kv_heads]``), e.g. calibrated ones; by default ``max |x| / 448`` (int8: ``/
+            127``) over the cache (per head with ``"head"``), so nothing saturates. Computed on the
+            device, without a host sync; non-finite values in unused slots would reach them, so
+            zero those slots (``KVCache`` keeps its pool zeroed) or pass the scales.
+
+    Quantization is the append kernel's (``flash_attn_with_kvcache``'s ``k_scale`` argument):
+    ``x / s`` in float32, saturated, rounded to nearest even.
+
+    Returns:
+        ``(k_quantized, v_quantized, k_scale, v_scale)``: the caches in ``dtype`` (same shape,
+        contiguous) and float32 scales of the granularity's shape (``[1]``, ``[num_kv_heads]``
+        or the cache's leading dims), ready for ``flash_attn_with_kvcache(..., k_scale=,
+        v_scale=)``. The inputs are not modified.
+
+    Example::
+
+        >>> k8, v8, ks, vs = quantize_kv(k_cache, v_cache, dtype=torch.float8_e4m3fn, granularity="head")
+        >>> out = flash_attn_with_kvcache(q, k8, v8, k=k, v=v, cache_seqlens=lengths, k_scale=ks, v_scale=vs)
+    """
+    _checks.check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale, kernels_interpreted())
+    batch, seqlen, num_kv_heads, _ = k_cache.shape
+    device = k_cache.device
+    k_quantized = torch.empty(k_cache.shape, dtype=dtype, device=device)
+    v_quantized = torch.empty_like(k_quantized)
+    if granularity == "token":
+        k_scale = torch.empty(k_cache.shape[:3], dtype=torch.float32, device=device)
+        v_scale = torch.empty_like(k_scale)
+    else:
+        k_scale = _static_scale(k_cache, granularity, dtype) if k_scale is None else k_scale.reshape(-1).clone()
+        v_scale = _static_scale(v_cache, granularity, dtype) if v_scale is None else v_scale.reshape(-1).clone()
+    if k_cache.numel():
+        # Every slot is a "new token" of a contiguous cache whose lengths are all 0.
+        starts = torch.zeros(batch, dtype=torch.int32, device=device)
+        with ops.on_device(k_cache):
+            decode.append_kv(k_cache, v_cache, k_quantized, v_quantized, starts, None, k_scale, v_scale)
+    return k_quantized, v_quantized, k_scale, v_scale

@@ -16,8 +16,14 @@ One decode step::
 
     cache.reserve(1)                      # pages for one more token per sequence (host work)
     out = flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages, k=k, v=v,
-                                  cache_seqlens=cache.cache_seqlens, block_table=cache.block_table)
+                                  cache_seqlens=cache.cache_seqlens, block_table=cache.block_table,
+                                  k_scale=cache.k_scale, v_scale=cache.v_scale)  # None unless quantized
     cache.advance(1)                      # cache_seqlens += 1, on the device, no sync
+
+A quantized cache (``cache_dtype=torch.float8_e4m3fn`` or ``torch.int8``) keeps its pages in that
+format and its scales in ``k_scale``/``v_scale`` (float32 on the pages' device): ``[1]`` per tensor,
+``[num_kv_heads]`` per KV head, or ``[num_blocks, page_size, num_kv_heads]`` per token and head,
+written by every append.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numbers
 
 import torch
 
-from . import _checks
+from . import _checks, reference
 
 __all__ = ["KVCache"]
 
@@ -52,6 +58,40 @@ def _check_page_size(page_size) -> None:
         )
 
 
+def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeroed pages; 1-byte ones as zeroed bytes (float8 has no fill kernel on every device)."""
+    if dtype.itemsize == 1:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (for indexing, which not every device implements for float8)."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def _initial_scale(name: str, value, granularity: str, shape, device) -> torch.Tensor:
+    """A quantized cache's scale tensor: per token zeros ``[num_blocks, page_size, Hkv]`` (each
+    append writes its tokens'); per tensor ``[1]`` / per head ``[Hkv]`` from ``value`` (None:
+    1.0; a float; or a float32 tensor of that shape)."""
+    if granularity == "token":
+        if value is not None:
+            raise ValueError(f"{name} is given with scale_granularity='token': per-token scales are computed by "
+                             "each append; pass none")
+        return torch.zeros(shape[:3], dtype=torch.float32, device=device)
+    size = 1 if granularity == "tensor" else shape[2]
+    if value is None or isinstance(value, numbers.Real):
+        value = 1.0 if value is None else float(value)
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be finite and positive, got {value!r}")
+        return torch.full((size,), value, dtype=torch.float32, device=device)
+    _checks.check_tensor(name, value)
+    if value.dtype != torch.float32 or value.numel() != size:
+        raise ValueError(f"{name} must be a float or a float32 tensor of {size} element(s) (per {granularity}), got "
+                         f"{value.dtype} of shape {tuple(value.shape)}")
+    return value.detach().reshape(size).to(device).clone()
+
+
 class KVCache:
     """A page pool plus per-sequence page lists and lengths.
 
@@ -62,11 +102,22 @@ class KVCache:
         batch: number of sequence slots.
         max_blocks_per_seq: columns of ``block_table``; a sequence holds at most
             ``max_blocks_per_seq * page_size`` tokens.
-        dtype: of the pages: float16, bfloat16 or float32.
+        dtype: of the keys and values appended (and of the queries): float16, bfloat16 or
+            float32; also of the pages unless ``cache_dtype`` says otherwise.
         device: where the pages live; None (default) means ``"cuda"`` when torch sees a GPU,
             else ``"cpu"`` (where the kernels need Triton's interpreter, ``TRITON_INTERPRET=1``).
         shuffle_pages: hand out pages in a random order (as a long-running engine's pool ends
             up), instead of lowest index first.
+        cache_dtype: the pages' dtype; None (default) = ``dtype``, or a quantized format,
+            ``torch.float8_e4m3fn`` or ``torch.int8`` (see ``flash_attn_with_kvcache``'s
+            ``k_scale``).
+        scale_granularity: of a quantized cache's scales: ``"tensor"`` (default), ``"head"`` or
+            ``"token"``.
+        k_scale, v_scale: a quantized cache's static scales (``"tensor"``/``"head"``): a float or
+            a float32 tensor of the granularity's shape; default 1.0. Values beyond ``448 *
+            scale`` (int8: ``127 * scale``) saturate, so set them from calibration (or let
+            ``flashkernel.quantize_kv`` compute them from a prefilled cache). Per-token scales
+            are computed by every append.
 
     Unused ``block_table`` entries are -1 (no page), also after :meth:`free`.
     """
@@ -83,6 +134,10 @@ class KVCache:
         dtype: torch.dtype = torch.bfloat16,
         device=None,
         shuffle_pages: bool = False,
+        cache_dtype: torch.dtype | None = None,
+        scale_granularity: str = "tensor",
+        k_scale=None,
+        v_scale=None,
     ):
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("batch", batch), ("max_blocks_per_seq", max_blocks_per_seq)):
@@ -92,9 +147,22 @@ class KVCache:
             raise TypeError(f"dtype must be one of {', '.join(map(str, _checks.SUPPORTED_DTYPES))}, got {dtype}")
         device = default_device() if device is None else device
         self.page_size = page_size
+        self.dtype = dtype
         shape = (num_blocks, page_size, num_kv_heads, head_dim)
-        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        cache_dtype = dtype if cache_dtype is None else cache_dtype
+        self.k_pages = _zeros(shape, cache_dtype, device)
+        self.v_pages = _zeros(shape, cache_dtype, device)
+        self.scale_granularity = None
+        self.k_scale = self.v_scale = None
+        if cache_dtype != dtype:
+            _checks.check_quantized_dtype(cache_dtype)
+            _checks.check_granularity(scale_granularity)
+            self.scale_granularity = scale_granularity
+            self.k_scale = _initial_scale("k_scale", k_scale, scale_granularity, shape, device)
+            self.v_scale = _initial_scale("v_scale", v_scale, scale_granularity, shape, device)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale are given but cache_dtype is {cache_dtype}: scales belong to a "
+                             "quantized cache (cache_dtype=torch.float8_e4m3fn or torch.int8)")
         self.block_table = torch.full((batch, max_blocks_per_seq), NO_PAGE, dtype=torch.int32, device=device)
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         order = torch.randperm(num_blocks).tolist() if shuffle_pages else list(range(num_blocks))
@@ -192,8 +260,8 @@ class KVCache:
                     f"{name} has shape {tuple(x.shape)}; KVCache.append takes [n, num_kv_heads, head_dim] = "
                     f"[n, {token_shape[0]}, {token_shape[1]}]"
                 )
-            if x.dtype != self.k_pages.dtype:
-                raise TypeError(f"{name} has dtype {x.dtype} but the cache's pages are {self.k_pages.dtype}: cast it first")
+            if x.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {x.dtype} but the cache takes {self.dtype}: cast it first")
             if x.device != self.k_pages.device:
                 raise ValueError(f"{name} is on {x.device} but the cache's pages are on {self.k_pages.device}")
         if k.shape[0] != v.shape[0]:
@@ -212,9 +280,26 @@ class KVCache:
         pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size]
         slots = pos % self.page_size
         device = self.k_pages.device
-        self.k_pages[pages.to(device), slots.to(device)] = k
-        self.v_pages[pages.to(device), slots.to(device)] = v
+        where = (pages.to(device), slots.to(device))
+        if self.k_scale is not None:
+            k, v, k_scale, v_scale = self._quantized(k, v)
+            if self.scale_granularity == "token":
+                self.k_scale[where] = k_scale[0]
+                self.v_scale[where] = v_scale[0]
+        _bytes(self.k_pages)[where] = _bytes(k)
+        _bytes(self.v_pages)[where] = _bytes(v)
         self.advance(n, seq)
+
+    def _quantized(self, k, v):
+        """``k, v [n, Hkv, D]`` in the pages' format (``flashkernel.quantize_kv`` with this cache's
+        scales): ``(k [n, Hkv, D], v, k_scale, v_scale)``, per-token scales ``[1, n, Hkv]``."""
+        from .interface import quantize_kv
+
+        static = self.scale_granularity != "token"
+        k, v, k_scale, v_scale = quantize_kv(
+            k[None], v[None], dtype=self.k_pages.dtype, granularity=self.scale_granularity,
+            k_scale=self.k_scale if static else None, v_scale=self.v_scale if static else None)
+        return k[0], v[0], k_scale, v_scale
 
     def free(self, seq: int) -> None:
         """Return ``seq``'s pages to the pool and empty it (the slot can be reused); its
@@ -227,9 +312,18 @@ class KVCache:
         self.cache_seqlens[seq] = 0
 
     def gather(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``seq``'s keys and values as dense ``[length, num_kv_heads, head_dim]`` copies."""
+        """Sequence ``seq``'s keys and values as dense ``[length, num_kv_heads, head_dim]`` copies:
+        the pages' values, or for a quantized cache the values they stand for (``c * scale``,
+        float64: exact, ``reference.dequantize``)."""
         self._check_seq(seq)
         pos = torch.arange(self._lengths[seq])
         pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size].to(self.k_pages.device)
         slots = (pos % self.page_size).to(self.k_pages.device)
-        return self.k_pages[pages, slots], self.v_pages[pages, slots]
+        keys = _bytes(self.k_pages)[pages, slots].view(self.k_pages.dtype)
+        values = _bytes(self.v_pages)[pages, slots].view(self.v_pages.dtype)
+        if self.k_scale is None:
+            return keys, values
+        if self.scale_granularity == "token":
+            return (reference.dequantize(keys, self.k_scale[pages, slots]),
+                    reference.dequantize(values, self.v_scale[pages, slots]))
+        return reference.dequantize(keys, self.k_scale), reference.dequantize(values, self.v_scale)

@@ -5,7 +5,8 @@ Each public function of ``interface.py`` validates its arguments, then runs one 
 * ``flashkernel::fwd`` (``flash_attn_func``),
 * ``flashkernel::varlen_fwd`` (``flash_attn_varlen_func``),
 * ``flashkernel::kvcache_fwd`` (``flash_attn_with_kvcache``; it writes the new keys and values
-  into ``k_cache`` and ``v_cache`` in place, declared as mutations of those arguments).
+  into ``k_cache`` and ``v_cache`` in place, and into a quantized cache's per-token
+  ``k_scale``/``v_scale`` their scales, declared as mutations of those four arguments).
 
 Each op has a fake (meta) implementation, so ``torch.compile`` traces a model through it
 without a graph break and Inductor treats the call as opaque (it never recompiles our Triton
@@ -89,10 +90,11 @@ def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_
 
 
 def kvcache_fwd_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
-                     causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                     num_splits: int, return_lse: bool, backend: str):
-    """``flash_attn_with_kvcache`` after validation (appends ``k, v`` in place when given):
-    ``(out [B, T, Hq, D], lse [B, Hq, T] or None)``."""
+                     k_scale, v_scale, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                     softcap: float, num_splits: int, return_lse: bool, backend: str):
+    """``flash_attn_with_kvcache`` after validation (appends ``k, v`` in place when given, and
+    their scales to per-token ``k_scale``/``v_scale``): ``(out [B, T, Hq, D], lse [B, Hq, T] or
+    None)``."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     out = allocate((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = _lse(return_lse, (batch, num_heads, seqlen_q), q.device)
@@ -100,7 +102,7 @@ def kvcache_fwd_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cach
         dispatch.decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse,
                         k_new=k, v_new=v, cache_leftpad=cache_leftpad, causal=causal, softmax_scale=softmax_scale,
                         num_splits=num_splits, window_size=(window_left, window_right), softcap=softcap,
-                        alibi_slopes=alibi_slopes, sinks=sinks, backend=backend)
+                        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale, backend=backend)
     return out, lse
 
 
@@ -165,19 +167,25 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 # docs/perf-notes.md, "Compiled decode"), and a compiled model pays that per layer. Here the
 # implementation bumps the two counters itself.
 _LIBRARY = torch.library.Library("flashkernel", "FRAGMENT")
+# The scales are declared mutable because per-token scales are written with the appended tokens
+# (per-tensor and per-head scales are only read; the declaration is then conservative).
 _LIBRARY.define(
     "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens, "
-    "Tensor? block_table, Tensor? cache_leftpad, Tensor? alibi_slopes, Tensor? sinks, bool causal, "
-    "float softmax_scale, int window_left, int window_right, float softcap, int num_splits, bool return_lse, "
-    "str backend) -> (Tensor, Tensor)")
+    "Tensor? block_table, Tensor? cache_leftpad, Tensor? alibi_slopes, Tensor? sinks, Tensor(c!)? k_scale, "
+    "Tensor(d!)? v_scale, bool causal, float softmax_scale, int window_left, int window_right, float softcap, "
+    "int num_splits, bool return_lse, str backend) -> (Tensor, Tensor)")
 
 
 def _kvcache_fwd_op(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
-                    causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend):
-    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
+                    k_scale, v_scale, causal, softmax_scale, window_left, window_right, softcap, num_splits,
+                    return_lse, backend):
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
+               v_scale)
     scalars = (causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend)
     if k is not None:
-        torch.autograd.graph.increment_version((k_cache, v_cache))
+        written = (k_cache, v_cache, k_scale, v_scale) if k_scale is not None and k_scale.dim() == 3 else (
+            k_cache, v_cache)
+        torch.autograd.graph.increment_version(written)
     return _with_empty_lse(_cached("kvcache_fwd", tensors, scalars, lambda: kvcache_fwd_impl(*tensors, *scalars)))
 
 
@@ -187,7 +195,8 @@ for _device_type in ("CPU", "CUDA"):
 
 @torch.library.register_fake("flashkernel::kvcache_fwd", lib=_LIBRARY)
 def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
-                      causal, softmax_scale, window_left, window_right, softcap, num_splits, return_lse, backend):
+                      k_scale, v_scale, causal, softmax_scale, window_left, window_right, softcap, num_splits,
+                      return_lse, backend):
     batch, seqlen_q, num_heads, _ = q.shape
     lse_shape = (batch, num_heads, seqlen_q) if return_lse else _EMPTY_LSE_SHAPE
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)

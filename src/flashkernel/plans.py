@@ -84,34 +84,38 @@ class DecodePlan(_Plan):
     ``block_table``, ``cache_leftpad``, ``alibi_slopes`` and ``sinks`` are kept (not copied: update
     them in place between steps); the values of the lengths, block table and key starts are
     checked now with ``validate=True`` (one device-to-host copy per plan), or when they are on the
-    CPU with ``validate=None``. ``q``, ``k_cache``, ``v_cache``, ``k``, ``v`` are examples: each
-    :meth:`run` takes its layer's, which must have the same shapes, strides, dtypes and device.
+    CPU with ``validate=None``. ``q``, ``k_cache``, ``v_cache``, ``k``, ``v`` and a quantized
+    cache's ``k_scale``, ``v_scale`` are examples: each :meth:`run` takes its layer's, which must
+    have the same shapes, strides, dtypes and device.
     """
 
     def __init__(self, q, k_cache, v_cache, *, k=None, v=None, cache_seqlens, block_table=None,
-                 cache_leftpad=None, causal: bool = True, softmax_scale=None, window_size=_checks.NO_WINDOW,
-                 softcap=0.0, alibi_slopes=None, sinks=None, num_splits: int = 0, return_lse: bool = False,
-                 validate: bool | None = None, backend: str = "auto"):
+                 cache_leftpad=None, k_scale=None, v_scale=None, causal: bool = True, softmax_scale=None,
+                 window_size=_checks.NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, num_splits: int = 0,
+                 return_lse: bool = False, validate: bool | None = None, backend: str = "auto"):
         scale = interface._validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
-                                            causal, softmax_scale, num_splits, return_lse, validate)
+                                            causal, softmax_scale, num_splits, return_lse, validate, k_scale,
+                                            v_scale)
         window, cap = _checks.check_variant(q, q.shape[0], q.shape[2], window_size, softcap, alibi_slopes, sinks)
         dispatch.check_backend(backend)
-        super().__init__(("q", "k_cache", "v_cache", "k", "v"), (q, k_cache, v_cache, k, v))
+        super().__init__(("q", "k_cache", "v_cache", "k", "v", "k_scale", "v_scale"),
+                         (q, k_cache, v_cache, k, v, k_scale, v_scale))
         self.empty = q.numel() == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0
         self._fixed = (cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
         self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
         self.return_lse = return_lse
 
-    def run(self, q, k_cache, v_cache, k=None, v=None):
-        """Attention for one layer (appending ``k, v`` when the plan was made with them). Returns
-        ``out`` (and ``lse`` with ``return_lse=True``) as ``flash_attn_with_kvcache`` does."""
-        tensors = (q, k_cache, v_cache, k, v)
+    def run(self, q, k_cache, v_cache, k=None, v=None, k_scale=None, v_scale=None):
+        """Attention for one layer (appending ``k, v`` when the plan was made with them; a
+        quantized cache with its layer's scales). Returns ``out`` (and ``lse`` with
+        ``return_lse=True``) as ``flash_attn_with_kvcache`` does."""
+        tensors = (q, k_cache, v_cache, k, v, k_scale, v_scale)
         if self.empty:
             results = interface._empty_results(q, self.return_lse, self._fixed[-1])
         else:
             ops.check_no_grad("kvcache_fwd", (("q", q), ("k", k), ("v", v)), "DecodePlan.run")
-            results = self._run(tensors, self._fixed,
-                                lambda: ops.kvcache_fwd_impl(*tensors, *self._fixed, *self._scalars))
+            results = self._run(tensors, self._fixed, lambda: ops.kvcache_fwd_impl(
+                q, k_cache, v_cache, k, v, *self._fixed, k_scale, v_scale, *self._scalars))
         return results if self.return_lse else results[0]
 
 

@@ -69,6 +69,20 @@ alignment, as for causal). In this order:
    ``-inf`` is no sink.
 
 Without a sink, a row that sees no key has output 0 and ``lse = -inf``.
+
+Quantized KV caches (``float8_e4m3fn`` or ``int8``)
+--------------------------------------------------
+A cache entry ``c`` (the stored number) with its float32 scale ``s`` stands for ``c * s``
+(:func:`dequantize`); attention over a quantized cache is attention over those values. Scales
+come at three granularities, told apart by their shape: ``[1]`` (or ``[]``) one per tensor,
+``[Hkv]`` one per KV head, and the cache's leading shape ``[B, S_max, Hkv]`` / ``[num_blocks,
+page_size, Hkv]`` one per token and KV head. A new value ``x`` is stored as
+``quantize(x / s)`` (:func:`quantize`): the quotient in float32 (IEEE division), saturated to
+the format's range (``+-448`` for e4m3, ``+-127`` for int8) and rounded to the nearest
+representable number, ties to even. With per-token scales the scale of a new token and head is
+computed first, from the token's own values: ``s = max_d |x_d| / 448`` (int8: ``/ 127``) in
+float32, so the largest element lands on the range's edge; a row of zeros gets ``s = 0`` and is
+stored as zeros.
 """
 
 from __future__ import annotations
@@ -84,6 +98,9 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "cache_prefix",
+    "dequantize",
+    "quantize",
+    "quantize_tokens",
     "causal_mask",
     "expand_kv_heads",
     "window_mask",
@@ -259,7 +276,10 @@ def _token_location(b: int, j: int, page_size: int | None, block_table):
 
 
 def cache_prefix(cache: torch.Tensor, b: int, length: int, block_table=None) -> torch.Tensor:
-    """The first ``length`` tokens of sequence ``b`` as a dense ``[length, Hkv, D]`` copy."""
+    """The first ``length`` tokens of sequence ``b`` as a dense ``[length, Hkv, D]`` copy (any
+    dtype: a float8 cache is gathered as its bytes)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache_prefix(cache.view(torch.uint8), b, length, block_table).view(cache.dtype)
     positions = torch.arange(length, device=cache.device)
     if block_table is None:
         return cache[b, positions]
@@ -278,6 +298,54 @@ def append_to_cache(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, block
     return result
 
 
+# --- quantized caches --------------------------------------------------------------------------
+
+QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # the largest magnitude each stores
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in float32 (``scale`` broadcasts against ``x``), saturated to ``dtype``'s
+    range and rounded to nearest, ties to even, as ``dtype`` (float8_e4m3fn or int8)."""
+    bound = QUANT_MAX[dtype]
+    y = (x.float() / scale.float()).clamp(-bound, bound)
+    if dtype == torch.int8:
+        return torch.round(y).to(torch.int8)  # torch.round: half to even
+    return y.to(dtype)  # round to nearest even, subnormals included
+
+
+def quantize_tokens(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token scales: ``x [..., D]`` -> ``(stored [..., D], scale [...] float32)`` with
+    ``scale = max |x| / QUANT_MAX`` over the last dimension (rows of zeros: scale 0, stored 0)."""
+    scale = x.float().abs().amax(dim=-1) / QUANT_MAX[dtype]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    stored = quantize(torch.where(scale[..., None] > 0, x.float(), 0.0), safe[..., None], dtype)
+    return stored, scale
+
+
+def expand_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A scale of any granularity shaped to broadcast against its cache ``[N, S, Hkv, D]``:
+    ``[]``/``[1]`` as is, ``[Hkv]`` -> ``[Hkv, 1]``, ``[N, S, Hkv]`` -> ``[N, S, Hkv, 1]``."""
+    return scale if scale.dim() == 0 else scale[..., None]
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float64 values a quantized cache stands for: ``stored * scale`` (any granularity)."""
+    return stored.double() * expand_scale(scale).double()
+
+
+def append_to_quantized_cache(cache: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, cache_seqlens,
+                              block_table=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``cache`` and its ``scale`` with ``new [B, T, Hkv, D]`` quantized and written at
+    ``cache_seqlens[b] + t``: with a per-token ``scale`` (3-D) each token's scales computed from
+    its values and written beside it, else quantized with the given scale."""
+    if scale.dim() == 3:
+        stored, new_scale = quantize_tokens(new, cache.dtype)
+        return (append_to_cache(cache, stored, cache_seqlens, block_table),
+                append_to_cache(scale, new_scale, cache_seqlens, block_table))
+    per_head = expand_scale(scale)
+    return append_to_cache(cache, quantize(new, per_head, cache.dtype), cache_seqlens, block_table), scale.clone()
+
+
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -291,10 +359,16 @@ def attention_with_kvcache(
     causal: bool = True,
     softmax_scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     upcast: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference decode over a cache (see the section comment above); inputs are not modified.
+
+    A quantized cache (``k_scale``, ``v_scale`` given: see "Quantized KV caches" above) gets the
+    new tokens quantized (:func:`append_to_quantized_cache`) and is attended as its dequantized
+    values.
 
     ``cache_leftpad [B]``: sequence ``b``'s keys start at cache position ``cache_leftpad[b]``
     (left padding, or a static cache's unused head): it attends positions ``[start, L)`` as a
@@ -307,9 +381,14 @@ def attention_with_kvcache(
     Returns ``out [B, T, Hq, D]`` and ``lse [B, Hq, T]`` with the dtypes of :func:`attention`.
     A sequence with no keys gets output 0 and lse -inf (the sink with ``sinks``).
     """
-    if k is not None:
+    if k is not None and k_scale is not None:
+        k_cache, k_scale = append_to_quantized_cache(k_cache, k_scale, k, cache_seqlens, block_table)
+        v_cache, v_scale = append_to_quantized_cache(v_cache, v_scale, v, cache_seqlens, block_table)
+    elif k is not None:
         k_cache = append_to_cache(k_cache, k, cache_seqlens, block_table)
         v_cache = append_to_cache(v_cache, v, cache_seqlens, block_table)
+    if k_scale is not None:
+        k_cache, v_cache = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
     added = q.shape[1] if k is not None else 0
     outs, lses = [], []
     for b in range(q.shape[0]):

@@ -7,7 +7,9 @@ that are not tile multiples, ``seqlen_q != seqlen_k`` both ways, rows that see n
 odd head dims, fp32, a custom scale) plus seeded random ones; packed sequences
 (``flash_attn_varlen_func``, empty ones included); and the variants (sliding window, softcap,
 ALiBi, sinks, and all four at once) in ``flash_attn_func``, ``flash_attn_varlen_func`` and
-``flash_attn_with_kvcache``.
+``flash_attn_with_kvcache``; quantized caches (float8_e4m3fn, int8) in ``flash_attn_with_kvcache``
+against float64 attention over their dequantized values, and ``quantize_kv`` against the
+quantization spec of ``reference`` (bit for bit).
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class KVCacheCase:
     num_splits: int = 0
     causal: bool = True
     variant: str = ""
+    cache_dtype: str = ""  # "float8_e4m3fn" / "int8": a quantized cache with scales per ``granularity``
+    granularity: str = "tensor"
 
     @property
     def batch(self) -> int:
@@ -116,8 +120,10 @@ class KVCacheCase:
         extra = " +append" if self.append else ""
         splits = f" splits={self.num_splits}" if self.num_splits else ""
         mask = "" if self.causal else " full"
+        cache = f" {self.cache_dtype} per {self.granularity}" if self.cache_dtype else ""
         return (f"{self.dtype} lens={list(self.cache_seqlens)} sq={self.seqlen_q}{extra} "
-                f"h={self.heads}/{self.kv_heads} d={self.head_dim} {layout}{splits}{mask}{_variant_label(self.variant)}")
+                f"h={self.heads}/{self.kv_heads} d={self.head_dim} {layout}{cache}{splits}{mask}"
+                f"{_variant_label(self.variant)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +241,23 @@ GPU_KVCACHE_VARIANTS = [
     KVCacheCase((77, 5000), 5120, 3, True, 8, 2, 96, "float16", page_size=16, variant="alibi"),
     KVCacheCase((0, 300), 320, 1, False, 8, 8, 128, "bfloat16", variant="sinks", num_splits=4),
 ]
+CPU_KVCACHE_QUANTIZED = [
+    KVCacheCase((0, 17, 30), 48, 2, True, 4, 2, 32, "bfloat16", page_size=16, cache_dtype="float8_e4m3fn",
+                granularity="token"),
+    KVCacheCase((5, 40), 48, 1, True, 4, 1, 64, "float16", cache_dtype="int8", granularity="head", num_splits=2),
+    KVCacheCase((9, 30), 40, 2, False, 4, 2, 32, "float16", page_size=8, cache_dtype="float8_e4m3fn",
+                variant=ALL_VARIANTS),
+]
+GPU_KVCACHE_QUANTIZED = [
+    KVCacheCase((1, 1000, 4097, 333), 4160, 1, True, 32, 8, 128, "bfloat16", page_size=16,
+                cache_dtype="float8_e4m3fn", granularity="token"),
+    KVCacheCase((30000, 7), 30016, 1, True, 32, 8, 128, "bfloat16", cache_dtype="float8_e4m3fn"),
+    KVCacheCase((0, 129, 2000), 2048, 4, True, 16, 4, 64, "float16", page_size=64, cache_dtype="int8",
+                granularity="head"),
+    KVCacheCase((77, 5000), 5120, 3, True, 8, 2, 256, "bfloat16", page_size=1, cache_dtype="int8",
+                granularity="token", causal=False, variant=ALL_VARIANTS),
+]
+QUANTIZE_CASES = [(fmt, granularity) for fmt in ("float8_e4m3fn", "int8") for granularity in ("tensor", "head", "token")]
 CPU_SERVING = [ServingCase((5, 33, 17), 2, 8, 4, 2, 32, "float16")]
 GPU_SERVING = [ServingCase((1000, 4097, 1), 3, 64, 32, 8, 128, "bfloat16")]
 CPU_LENGTHS = (1, 5, 17, 31, 33, 47)
@@ -266,7 +289,8 @@ def dense_cases(on_gpu: bool, quick: bool, random_count: int, seed: int) -> list
 def kvcache_cases(on_gpu: bool, quick: bool) -> list[KVCacheCase]:
     fixed = GPU_KVCACHE if on_gpu else CPU_KVCACHE
     variants = GPU_KVCACHE_VARIANTS if on_gpu else CPU_KVCACHE_VARIANTS
-    return fixed[:3] + variants[:1] if quick else fixed + variants
+    quantized = GPU_KVCACHE_QUANTIZED if on_gpu else CPU_KVCACHE_QUANTIZED
+    return fixed[:3] + variants[:1] + quantized[:1] if quick else fixed + variants + quantized
 
 
 def dense_variant_cases(on_gpu: bool, quick: bool) -> list[DenseCase]:
@@ -391,14 +415,29 @@ def _kvcache_inputs(case: KVCacheCase, device: str) -> dict:
         shape = (batch * blocks, case.page_size, kv_heads, head_dim)
     else:
         shape = (batch, case.capacity, kv_heads, head_dim)
-    inputs.update(k_cache=randn(*shape), v_cache=randn(*shape))
+    inputs.update(k_cache=randn(*shape), v_cache=randn(*shape), k_scale=None, v_scale=None)
+    if case.cache_dtype:
+        for name in ("k", "v"):
+            inputs[f"{name}_cache"], inputs[f"{name}_scale"] = quantized(inputs[f"{name}_cache"], case)
     return inputs
+
+
+def quantized(cache: torch.Tensor, case: KVCacheCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float cache quantized by the spec (``reference``): ``(stored, scale)``; static scales
+    from the cache's largest magnitude (per tensor or KV head)."""
+    fmt = getattr(torch, case.cache_dtype)
+    if case.granularity == "token":
+        return reference.quantize_tokens(cache, fmt)
+    largest = cache.float().abs().amax(dim=(0, 1, 3))
+    scale = (largest.amax().reshape(1) if case.granularity == "tensor" else largest) / reference.QUANT_MAX[fmt]
+    return reference.quantize(cache, reference.expand_scale(scale), fmt), scale
 
 
 def _kvcache_reference(inputs: dict, case: KVCacheCase, variant: dict, upcast: bool):
     return reference.attention_with_kvcache(
         inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], k=inputs["k"], v=inputs["v"],
-        block_table=inputs["block_table"], causal=case.causal, upcast=upcast, **variant,
+        block_table=inputs["block_table"], causal=case.causal, k_scale=inputs["k_scale"], v_scale=inputs["v_scale"],
+        upcast=upcast, **variant,
     )
 
 
@@ -415,14 +454,25 @@ def per_sequence_truth(q, keys: list, values: list) -> accuracy.Truth:
 
 
 def _cache_update_note(before: dict, after: dict, case: KVCacheCase) -> str:
-    """'' when the caches hold exactly the appended tokens and nothing else changed."""
+    """'' when the caches (and per-token scales) hold exactly the appended tokens and nothing else
+    changed."""
     for name in ("k", "v"):
-        expected = before[f"{name}_cache"]
-        if case.append:
+        expected, scale = before[f"{name}_cache"], before[f"{name}_scale"]
+        if case.append and scale is not None:
+            expected, scale = reference.append_to_quantized_cache(expected, scale, before[name], before["cache_seqlens"],
+                                                                  before["block_table"])
+        elif case.append:
             expected = reference.append_to_cache(expected, before[name], before["cache_seqlens"], before["block_table"])
-        if not torch.equal(after[f"{name}_cache"], expected):
+        if not torch.equal(_bits(after[f"{name}_cache"]), _bits(expected)):
             return f"{name}_cache after the call differs from the expected append"
+        if scale is not None and not torch.equal(after[f"{name}_scale"], scale):
+            return f"{name}_scale after the call differs from the expected append"
     return ""
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A cache as comparable elements: a 1-byte cache as its bytes (float8 has no ``eq`` on every device)."""
+    return x.view(torch.uint8) if x.element_size() == 1 else x
 
 
 def check_kvcache(case: KVCacheCase, device: str) -> CheckRow:
@@ -430,12 +480,13 @@ def check_kvcache(case: KVCacheCase, device: str) -> CheckRow:
     import flashkernel
 
     before = _kvcache_inputs(case, device)
-    after = {**before, "k_cache": before["k_cache"].clone(), "v_cache": before["v_cache"].clone()}
+    after = {**before, **{name: before[name].clone() for name in ("k_cache", "v_cache", "k_scale", "v_scale")
+                          if before[name] is not None}}
     variant = variant_kwargs(case.variant, case.heads, device)
     out, lse = flashkernel.flash_attn_with_kvcache(
         after["q"], after["k_cache"], after["v_cache"], k=after["k"], v=after["v"],
-        cache_seqlens=after["cache_seqlens"], block_table=after["block_table"], causal=case.causal,
-        num_splits=case.num_splits, return_lse=True, **variant,
+        cache_seqlens=after["cache_seqlens"], block_table=after["block_table"], k_scale=after["k_scale"],
+        v_scale=after["v_scale"], causal=case.causal, num_splits=case.num_splits, return_lse=True, **variant,
     )
     shape_problem = accuracy.wrong_shape(out, before["q"].shape)
     if shape_problem:
@@ -478,6 +529,22 @@ def check_serving(case: ServingCase, device: str) -> list[CheckRow]:
         acc = accuracy.compare(out, per_sequence_truth(q, keys, values))
         rows.append(_row_from("KVCache", f"{case.label()} step {step + 1}", acc, None, ""))
     return rows
+
+
+def check_quantize_kv(fmt: str, granularity: str, device: str) -> CheckRow:
+    """``quantize_kv`` of a bf16 cache (a few channels 100x larger) against the spec, bit for bit:
+    ``max err`` is the largest difference of the dequantized values (0 when right)."""
+    import flashkernel
+
+    case = KVCacheCase((), 0, 0, False, 0, 0, 0, "", cache_dtype=fmt, granularity=granularity)
+    cache = torch.randn(3, 40, 2, 64, device=device)
+    cache[..., ::16] *= 100
+    cache = cache.to(torch.bfloat16)
+    stored, _, scale, _ = flashkernel.quantize_kv(cache, cache, dtype=getattr(torch, fmt), granularity=granularity)
+    want, want_scale = quantized(cache, case)
+    err = (reference.dequantize(stored, scale) - reference.dequantize(want, want_scale)).abs().max().item()
+    return CheckRow("quantize_kv", f"bfloat16 -> {fmt} per {granularity} [3, 40, 2, 64]", max_err=err, ok=err == 0,
+                    note="" if err == 0 else "differs from reference.quantize")
 
 
 # --- plans (one step planned once, run per layer) ------------------------------------------------
@@ -579,11 +646,15 @@ def planned_checks(device: str, quick: bool, random_count: int, seed: int) -> li
     if hasattr(flashkernel, "flash_attn_with_kvcache"):
         for case in kvcache_cases(on_gpu, quick):
             plan.append(("flash_attn_with_kvcache", case.label(), lambda c=case: check_kvcache(c, device)))
+    if hasattr(flashkernel, "quantize_kv"):
+        for fmt, granularity in QUANTIZE_CASES[:1] if quick else QUANTIZE_CASES:
+            plan.append(("quantize_kv", f"{fmt} per {granularity}",
+                         lambda f=fmt, g=granularity: check_quantize_kv(f, g, device)))
     if hasattr(flashkernel, "KVCache") and hasattr(flashkernel, "flash_attn_with_kvcache"):
         for case in GPU_SERVING if on_gpu else CPU_SERVING:
             plan.append(("KVCache", case.label(), lambda c=case: check_serving(c, device)))
     if hasattr(flashkernel, "DecodePlan"):
-        case = next(c for c in kvcache_cases(on_gpu, quick) if not c.variant)
+        case = next(c for c in kvcache_cases(on_gpu, quick) if not c.variant and not c.cache_dtype)
         plan.append(("DecodePlan", case.label(), lambda c=case: check_decode_plan(c, device)))
     if hasattr(flashkernel, "VarlenPlan"):
         case = next(c for c in varlen_cases(on_gpu, quick) if not c.variant)

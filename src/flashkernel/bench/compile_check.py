@@ -3,6 +3,7 @@
     python -m flashkernel.bench.compile_check                      # what the tables dispatch
     python -m flashkernel.bench.compile_check --prefill-variants all --dtypes bfloat16 float16
     python -m flashkernel.bench.compile_check --decode-head-dims 128 --out report.json
+    python -m flashkernel.bench.compile_check --prefill-head-dims --decode-caches float8_e4m3fn int8
 
 Triton compiles for a ``GPUTarget`` on any machine, and its wheel bundles ``ptxas`` and
 ``cuobjdump``: every specialization is compiled exactly as a launch would compile it (the kernel
@@ -81,6 +82,7 @@ PREFILL_HEAD_DIMS = (64, 128, 256)
 DECODE_HEAD_DIMS = (64, 128, 256)
 DECODE_PAGES = (0, 16, 64, 256)  # 0: a contiguous cache
 DECODE_ROWS = ((4, 1), (8, 2))  # (GQA group, new tokens): 4 and 16 query rows per KV head
+DECODE_QUANTIZED_CACHES = ("float8_e4m3fn", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +112,12 @@ class DecodeSpec:
     seqlen_new: int
     dtype: str
     family: str = "decode"
+    cache_dtype: str | None = None  # None: q's dtype; "float8_e4m3fn" / "int8": quantized (per-head scales)
 
     def label(self) -> str:
         layout = f"page {self.page_size}" if self.page_size else "contiguous"
-        return (f"decode {self.dtype} d{self.head_dim} {layout} {'causal' if self.causal else 'full'} "
+        cache = f" {self.cache_dtype} cache" if self.cache_dtype else ""
+        return (f"decode {self.dtype}{cache} d{self.head_dim} {layout} {'causal' if self.causal else 'full'} "
                 f"rows {self.group * self.seqlen_new}")
 
 
@@ -307,11 +311,15 @@ def compile_decode(spec: DecodeSpec) -> tuple[object, dict]:
     dtype = getattr(torch, spec.dtype)
     batch, kv_heads, splits, heads = 2, 2, 3, 2 * spec.group
     q = torch.empty(batch, spec.seqlen_new, heads, spec.head_dim, dtype=dtype)
+    cache_dtype = getattr(torch, spec.cache_dtype) if spec.cache_dtype else dtype
     if spec.page_size == 0:
-        k_cache, block_table = torch.empty(batch, 512, kv_heads, spec.head_dim, dtype=dtype), None
+        k_cache, block_table = torch.empty(batch, 512, kv_heads, spec.head_dim, dtype=cache_dtype), None
     else:
-        k_cache = torch.empty(64, spec.page_size, kv_heads, spec.head_dim, dtype=dtype)
+        k_cache = torch.empty(64, spec.page_size, kv_heads, spec.head_dim, dtype=cache_dtype)
         block_table = torch.zeros(batch, 64, dtype=torch.int32)
+    scales = {}
+    if spec.cache_dtype:
+        scales = dict(k_scale=torch.ones(kv_heads), v_scale=torch.ones(kv_heads))
     seqlens = torch.zeros(batch, dtype=torch.int32)
     parts = torch.empty(splits, batch, spec.seqlen_new, heads, spec.head_dim, dtype=torch.float32)
     parts_lse = torch.empty(splits, batch, heads, spec.seqlen_new, dtype=torch.float32)
@@ -321,7 +329,7 @@ def compile_decode(spec: DecodeSpec) -> tuple[object, dict]:
     _, args, kwargs = gluon.launch_args(
         q, k_cache, torch.empty_like(k_cache), seqlens, block_table, parts, parts_lse, parts.stride()[:4],
         parts_lse.stride(), appended=0, capacity=512, num_blocks=k_cache.shape[0], page_size=spec.page_size,
-        num_splits=splits, causal=spec.causal, softmax_scale=0.1, config=config, sms=132)
+        num_splits=splits, causal=spec.causal, softmax_scale=0.1, config=config, sms=132, **scales)
     return compile_gluon(gluon._gluon_decode_kernel, args, kwargs, {"num_warps": 4}), dataclasses.asdict(config)
 
 
@@ -402,10 +410,10 @@ def variant_prefill_specs(variants, head_dims=PREFILL_HEAD_DIMS, dtypes=DTYPES) 
 
 
 def decode_specs(head_dims=DECODE_HEAD_DIMS, pages=DECODE_PAGES, dtypes=DTYPES, rows=DECODE_ROWS,
-                 causal=(True, False)) -> list[DecodeSpec]:
-    return [DecodeSpec(head_dim, page, is_causal, group, seqlen_new, dtype)
-            for dtype in dtypes for head_dim in head_dims for page in pages for is_causal in causal
-            for group, seqlen_new in rows]
+                 causal=(True, False), cache_dtypes=(None,)) -> list[DecodeSpec]:
+    return [DecodeSpec(head_dim, page, is_causal, group, seqlen_new, dtype, cache_dtype=cache)
+            for cache in cache_dtypes for dtype in dtypes for head_dim in head_dims for page in pages
+            for is_causal in causal for group, seqlen_new in rows]
 
 
 # ---- running ------------------------------------------------------------------------------------------
@@ -456,7 +464,8 @@ def selected_specs(args) -> list:
     else:
         variants = list(PREFILL_VARIANTS) if args.prefill_variants == ["all"] else args.prefill_variants
         specs = variant_prefill_specs(variants, args.prefill_head_dims, args.dtypes)
-    return specs + decode_specs(args.decode_head_dims, args.decode_pages, args.dtypes)
+    caches = [None if name == "same" else name for name in args.decode_caches]
+    return specs + decode_specs(args.decode_head_dims, args.decode_pages, args.dtypes, cache_dtypes=caches)
 
 
 def main(argv=None) -> int:
@@ -467,6 +476,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-head-dims", nargs="*", type=int, default=list(PREFILL_HEAD_DIMS))
     parser.add_argument("--decode-head-dims", nargs="*", type=int, default=list(DECODE_HEAD_DIMS))
     parser.add_argument("--decode-pages", nargs="+", type=int, default=list(DECODE_PAGES))
+    parser.add_argument("--decode-caches", nargs="+", default=["same", *DECODE_QUANTIZED_CACHES],
+                        choices=["same", *DECODE_QUANTIZED_CACHES],
+                        help="decode cache dtypes: q's ('same') and the quantized formats (per-head scales)")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--out", help="write every report as JSON here")
     parser.add_argument("--specs", help=argparse.SUPPRESS)  # a JSON list of specs (compile_in_child)

@@ -192,11 +192,26 @@ def unmasked_run(lo, hi, first_pos, last_pos, window_left, window_right, BLOCK_N
 
 
 @triton.jit
-def softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc * alpha + P V``. With ``V_COLS`` (a quantized cache's per-token V scales) key ``j``'s
+    value row is ``v_cols[j] * v_tile * v[j]``: ``v_cols <= 1`` scales P's columns before the
+    product (P stays in ``[0, 1]`` in V's dtype) and the tile's ``v_tile`` the product."""
+    acc = acc * alpha[:, None]
+    if V_COLS:
+        acc += tl.dot((p * v_cols[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION) * v_tile
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False):
     """Online-softmax update for raw scores ``qk`` (the scale is folded into the exponent).
 
     ``m_i`` is the running row max in log2 units. With ``MASKED`` some scores may be -inf and a
     row may have seen no key yet (``m = -inf``): subtract 0 there so exp2 gives 0, not NaN.
+    ``v_cols``, ``v_tile``, ``V_COLS``: :func:`accumulate_pv`.
     """
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:
@@ -206,13 +221,13 @@ def softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED: tl.constexpr, DO
     p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
     alpha = tl.math.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    acc = accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS, DOT_PRECISION)
     return acc, l_i, m_new
 
 
 @triton.jit
-def softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False):
     """Online-softmax update for scores ``s`` already in log2 units (score modifiers applied)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
@@ -222,8 +237,7 @@ def softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.co
     p = tl.math.exp2(s - m_new_safe[:, None])
     alpha = tl.math.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    acc = accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS, DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -231,12 +245,14 @@ def softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.co
 def attend_scores(acc, l_i, m_i, qk, v, row_pos, keys, length, qk_scale,
                   window_left, window_right, softcap_in, softcap_out, alibi_rows,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False):
     """A tile's raw scores ``qk = q.k^T`` -> modifiers, mask, one online-softmax step.
 
     Shared by prefill and decode. ``row_pos [M]`` are the rows' positions (``i + Sk - Sq``),
     ``keys [N]`` the tile's key indices, ``length`` the keys that exist. Without softcap/ALiBi
     the scale stays folded into the exp2 (:func:`softmax_step_scaled`); masks only when ``MASKED``.
+    ``v_cols``, ``v_tile``, ``V_COLS`` (decode over a quantized cache): :func:`accumulate_pv`.
     """
     if HAS_SOFTCAP or HAS_ALIBI:
         s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
@@ -244,10 +260,11 @@ def attend_scores(acc, l_i, m_i, qk, v, row_pos, keys, length, qk_scale,
         if MASKED:
             visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
             s = tl.where(visible, s, float("-inf"))
-        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION)
+        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION, v_cols, v_tile, V_COLS)
     else:
         if MASKED:
             visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
-        acc, l_i, m_new = softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED, DOT_PRECISION)
+        acc, l_i, m_new = softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED, DOT_PRECISION, v_cols, v_tile,
+                                              V_COLS)
     return acc, l_i, m_new

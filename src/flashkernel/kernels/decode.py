@@ -35,6 +35,15 @@ makes sequence ``b`` attend cache positions ``[start_b, L)``: the kernel works i
 relative to the start (masks and ALiBi depend only on differences of positions) and adds it
 back when it addresses the cache, so the splits share out only the keys that exist.
 
+Quantized caches (``KV_SCALE``, 0 without): float8_e4m3fn or int8 entries with float32 scales,
+one per KV head (a per-tensor scale is a head stride of 0: ``KV_SCALE`` 1) or one per token and
+KV head beside each slot (``KV_SCALE`` 2). The append kernel quantizes the new tokens
+(:func:`_quantized`: ``x / s``, saturated, rounded to nearest even; per-token scales computed
+from the token and stored). The decode kernel computes in fp16 (:func:`_queries_as_f16`,
+:func:`_cache_values`: exact conversions), folds scales per KV head into the scores' scale and
+the output, and applies per-token scales to the columns of ``q k^T`` and of P
+(``_softmax.accumulate_pv``). A cache in q's dtype compiles none of it.
+
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]``, starts to
 ``[0, length]``, and page indices read from the block table to ``[0, num_blocks)``, so bad
 values (when the caller did not validate them) give wrong numbers, never out-of-bounds
@@ -104,6 +113,37 @@ _PTX_INDEX_LOADS = tl.constexpr(not is_interpreted(_load_page_index))  # no PTX 
 
 
 @triton.jit
+def _cache_values(x, dtype: tl.constexpr):
+    """Cache entries as ``dtype`` (q's, or float32 under DOT_F32): a no-op for a cache in that
+    dtype; int8 to float16 with integer arithmetic (the float16 ``1152 + x`` holds ``x + 128``
+    in its low mantissa bits; ``I2F`` runs at a quarter of the ALU rate)."""
+    if x.dtype == tl.int8 and dtype == tl.float16:
+        return (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    return x.to(dtype)
+
+
+@triton.jit
+def _queries_as_f16(q):
+    """Query rows over a quantized cache: ``(q * 2**e as float16, 2**-e)`` for bf16/fp16 ``q``,
+    ``e`` chosen per program so the largest magnitude lands in ``[2**14, 2**15)`` (below fp16's
+    65504), ``(q, 1)`` for float32 ``q``.
+
+    Why fp16: e4m3 becomes fp16 in one instruction per pair (bf16 needs a second conversion per
+    element) and P rounds to fp16 with 3 more bits than bf16. The power of two is exact, and
+    undone on the scores; elements more than ``2**28`` below the largest become fp16
+    subnormals, an absolute error below ``2**-39`` of the largest per element.
+    """
+    if q.dtype == tl.float32:
+        return q, 1.0
+    x = q.to(tl.float32)
+    largest = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    binade = tl.minimum(tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) - 127, -100), 100)
+    up = ((141 - binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (14 - binade)
+    down = ((113 + binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (binade - 14)
+    return (x * up).to(tl.float16), down
+
+
+@triton.jit
 def _cache_rows(
     bt_row, stride_btn, batch, start_n, keys, length, num_blocks, key_start,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_START: tl.constexpr,
@@ -141,21 +181,28 @@ def _cache_rows(
 
 @triton.jit
 def _attend_cache_tile(
-    acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
-    stride_kb, stride_ks, stride_vb, stride_vs,
+    acc, l_i, m_i, q, K, V, KScale, VScale, bt_row, stride_btn, batch,
+    stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss,
     start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
     window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_START: tl.constexpr,
+    HAS_START: tl.constexpr, KV_SCALE: tl.constexpr,
 ):
     """One online-softmax step over keys ``start_n .. start_n + BLOCK_N - 1`` of the cache.
 
-    ``K``/``V`` already point at this program's KV head. ``m_i`` is the running row max in log2
-    units (scaled). With ``MASKED`` the tile may hold keys ``>= length`` or keys outside a row's
-    causal range or window: row token ``t`` has position ``t + causal_shift`` (``_softmax``).
+    ``K``/``V`` (and the per-token ``KScale``/``VScale``) already point at this program's KV
+    head. ``m_i`` is the running row max in log2 units (scaled). With ``MASKED`` the tile may
+    hold keys ``>= length`` or keys outside a row's causal range or window: row token ``t`` has
+    position ``t + causal_shift`` (``_softmax``).
+
+    A quantized cache (float8_e4m3fn, int8) is converted to q's dtype (float16 or float32 over a
+    quantized cache, :func:`_queries_as_f16`), exactly: every e4m3 and int8 value is an fp16
+    value. Its scales multiply the raw numbers' products: per-token scales (``KV_SCALE == 2``)
+    the columns of ``q k^T`` and, through :func:`_softmax.accumulate_pv`, P's columns before
+    ``P V``; scales per KV head are folded into ``qk_scale`` and the output by the caller.
     """
     keys = start_n + offs_n
     block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks, key_start,
@@ -175,14 +222,29 @@ def _attend_cache_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-
+    k = _cache_values(k, q.dtype)
+    v = _cache_values(v, q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if KV_SCALE == 2:
+        ks_ptrs = KScale + block * stride_ksb + slot * stride_kss
+        vs_ptrs = VScale + block * stride_vsb + slot * stride_vss
+        if MASKED:  # the scales past the length may be anything (NaN): never read them
+            k_scale = tl.load(ks_ptrs, mask=keys < length, other=0.0)
+            v_scale = tl.load(vs_ptrs, mask=keys < length, other=0.0)
+        else:
+            k_scale = tl.load(ks_ptrs)
+            v_scale = tl.load(vs_ptrs)
+        qk = qk * k_scale[None, :]
+        v_max = tl.max(v_scale, axis=0)
+        v_tile = tl.where(v_max > 0, v_max, 1.0)
+        v_cols = v_scale * (1.0 / v_tile)
+    else:
+        v_cols = 0.0
+        v_tile = 1.0
     return attend_scores(acc, l_i, m_i, qk, v, row_token + causal_shift, keys, length, qk_scale,
                          window_left, window_right, softcap_in, softcap_out, alibi_rows,
-                         MASKED, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                         MASKED, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                         v_cols, v_tile, KV_SCALE == 2)
 
 
 @triton.jit
@@ -211,10 +273,12 @@ def _store_rows(
 
 @triton.jit
 def _decode_program(
-    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+    Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_ksb, stride_kss, stride_ksh,
+    stride_vsb, stride_vss, stride_vsh,
     stride_btb, stride_btn, stride_sl,
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
@@ -226,7 +290,7 @@ def _decode_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr, KV_SCALE: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Program id -> (batch, kv_head, split, row tile), row tile fastest, in one grid axis.
@@ -257,7 +321,11 @@ def _decode_program(
     q_ptrs = (Q + batch * stride_qb + row_token[:, None].to(tl.int64) * stride_qt
               + row_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if DOT_F32:
+    if KV_SCALE != 0:
+        q, q_unscale = _queries_as_f16(q)
+        qk_scale = qk_scale * q_unscale
+        softcap_in = softcap_in * q_unscale
+    elif DOT_F32:
         q = q.to(tl.float32)
 
     if HAS_WINDOW:
@@ -286,6 +354,15 @@ def _decode_program(
     K = K + kv_head64 * stride_kh
     V = V + kv_head64 * stride_vh
     bt_row = BlockTable + batch * stride_btb
+    if KV_SCALE != 0:
+        KScale = KScale + kv_head64 * stride_ksh
+        VScale = VScale + kv_head64 * stride_vsh
+    if KV_SCALE == 1:
+        # One scale per KV head (a per-tensor scale has head stride 0): K's joins the scores'
+        # scale, V's multiplies the output (below).
+        k_scale = tl.load(KScale)
+        qk_scale = qk_scale * k_scale
+        softcap_in = softcap_in * k_scale
 
     if HAS_ALIBI:
         slopes = tl.load(Slopes + batch * stride_ab + row_head.to(tl.int64) * stride_ah)
@@ -305,32 +382,34 @@ def _decode_program(
     if HAS_WINDOW:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, l_i, m_i = _attend_cache_tile(
-                acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
-                stride_kb, stride_ks, stride_vb, stride_vs,
+                acc, l_i, m_i, q, K, V, KScale, VScale, bt_row, stride_btn, batch,
+                stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss,
                 start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
                 window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
                 HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START, KV_SCALE,
             )
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i = _attend_cache_tile(
-            acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
-            stride_kb, stride_ks, stride_vb, stride_vs,
+            acc, l_i, m_i, q, K, V, KScale, VScale, bt_row, stride_btn, batch,
+            stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
             window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, CAUSAL, DOT_F32, DOT_PRECISION,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START, KV_SCALE,
         )
     for start_n in range(mid_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_cache_tile(
-            acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
-            stride_kb, stride_ks, stride_vb, stride_vs,
+            acc, l_i, m_i, q, K, V, KScale, VScale, bt_row, stride_btn, batch,
+            stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
             window_left, window_right, softcap_in, softcap_out, alibi_rows, key_start,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START, KV_SCALE,
         )
 
+    if KV_SCALE == 1:
+        acc = acc * tl.load(VScale)
     _store_rows(
         Out, Lse, acc, l_i, m_i, split.to(tl.int64), batch, row_token, row_head, row_ok, offs_d,
         stride_os, stride_ob, stride_ot, stride_oh,
@@ -344,8 +423,8 @@ def _decode_program(
 # kernel's before the variants). Strides travel as one tuple per tensor.
 @triton.jit(do_not_specialize=["window_left", "window_right"])
 def _decode_kernel(
-    Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
-    q_strides, k_strides, v_strides, bt_strides, seqlens_stride,
+    Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+    q_strides, k_strides, v_strides, ks_strides, vs_strides, bt_strides, seqlens_stride,
     o_strides, lse_strides, alibi_strides, sink_stride, start_stride,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
@@ -354,17 +433,21 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr, KV_SCALE: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(B * Hkv * splits * row tiles,)``. Strides: ``q (b, t, h)``, caches ``(block or
-    b, slot, h)``, block table ``(b, column)``, outputs ``(split, b, t, h)``, LSE ``(split, b,
-    h, t)``, ALiBi ``(b, h)``."""
+    """Grid ``(B * Hkv * splits * row tiles,)``. Strides: ``q (b, t, h)``, caches and their
+    scales ``(block or b, slot, h)`` (scales: 0 where the granularity has no such axis), block
+    table ``(b, column)``, outputs ``(split, b, t, h)``, LSE ``(split, b, h, t)``, ALiBi ``(b,
+    h)``. ``KV_SCALE``: 0 a cache in q's dtype, 1 a quantized cache with a scale per KV head (or
+    per tensor), 2 per token and KV head."""
     _decode_program(
-        Q, K, V, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+        Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
         q_strides[0], q_strides[1], q_strides[2],
         k_strides[0], k_strides[1], k_strides[2],
         v_strides[0], v_strides[1], v_strides[2],
+        ks_strides[0], ks_strides[1], ks_strides[2],
+        vs_strides[0], vs_strides[1], vs_strides[2],
         bt_strides[0], bt_strides[1], seqlens_stride,
         o_strides[0], o_strides[1], o_strides[2], o_strides[3],
         lse_strides[0], lse_strides[1], lse_strides[2], lse_strides[3],
@@ -373,7 +456,7 @@ def _decode_kernel(
         num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
         window_left, window_right, softcap_in, softcap_out,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_START,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_START, KV_SCALE,
         DOT_F32, DOT_PRECISION,
     )
 
@@ -420,12 +503,12 @@ def _baseline_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, length, BLOCK_N):
         acc, l_i, m_i = _attend_cache_tile(
-            acc, l_i, m_i, q, K, V, bt_row, stride_btn, batch,
-            stride_kb, stride_ks, stride_vb, stride_vs,
+            acc, l_i, m_i, q, K, V, K, V, bt_row, stride_btn, batch,
+            stride_kb, stride_ks, stride_vb, stride_vs, 0, 0, 0, 0,
             start_n, offs_n, offs_d, row_token, length, causal_shift, num_blocks, qk_scale,
             0, 0, 0.0, 0.0, 0.0, 0,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, CAUSAL, DOT_F32, DOT_PRECISION,
-            False, False, False, False,
+            False, False, False, False, 0,
         )
     _store_rows(
         Out, Lse, acc, l_i, m_i, 0, batch, row_token, row_head, row_ok, offs_d,
@@ -436,18 +519,74 @@ def _baseline_kernel(
 
 
 @triton.jit
+def _round_half_even(y):
+    """``y`` (``|y| < 2**22``) rounded to an integer, ties to even: past ``2**23`` a float32 has no
+    fraction bits, and the addition rounds to nearest even (the same code in the interpreter,
+    which has no ``rint``; ``benchmarks/tools/plain_ptx.py --quantized`` shows the PTX keeps it)."""
+    r = (tl.abs(y) + 8388608.0) - 8388608.0
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """``y`` (``|y| <= 448``) rounded to the nearest float8_e4m3fn value, ties to even, as
+    float32: 3 fraction bits per binade, and the binades below ``2**-6`` share its spacing
+    (subnormals). Exact arithmetic (scaling by powers of two) around one rounding, so the
+    interpreter, whose e4m3 conversion truncates, rounds as the GPU does."""
+    a = tl.abs(y)
+    binade = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)
+    step = ((binade + 124) << 23).to(tl.float32, bitcast=True)  # 2 ** (binade - 3)
+    inverse = ((130 - binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (3 - binade)
+    r = _round_half_even(a * inverse) * step
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _quantized(x, Scale, scale_offs, row_ok, PER_TOKEN: tl.constexpr, OUT: tl.constexpr):
+    """Rows ``x [H, D]`` (one token's KV heads; zeros past the head dim) as ``OUT``
+    (float8_e4m3fn or int8): ``x / scale`` in float32 (IEEE division), saturated to the format's
+    range and rounded to nearest even (``reference.quantize``). ``PER_TOKEN``: each row's scale
+    is ``max |x| / range`` and is stored at ``Scale + scale_offs``; else it is read from there."""
+    if OUT == tl.int8:
+        bound = 127.0
+    else:
+        bound = 448.0
+    x = x.to(tl.float32)
+    if PER_TOKEN:
+        scale = tl.div_rn(tl.max(tl.abs(x), axis=1), bound)
+        tl.store(Scale + scale_offs, scale, mask=row_ok)
+    else:
+        scale = tl.load(Scale + scale_offs, mask=row_ok, other=1.0)
+    # A row of zeros has scale 0 (per token): divide by 1 instead, it stays 0.
+    y = tl.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+    y = tl.minimum(tl.maximum(y, -bound), bound)
+    if OUT == tl.int8:
+        y = _round_half_even(y)
+    else:
+        y = _round_to_e4m3(y)
+    return y.to(OUT)
+
+
+@triton.jit
 def _append_kernel(
-    KNew, VNew, K, V, BlockTable, SeqLens,
+    KNew, VNew, K, V, KScale, VScale, BlockTable, SeqLens,
     stride_nkb, stride_nkt, stride_nkh,
     stride_nvb, stride_nvt, stride_nvh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_ksb, stride_kss, stride_ksh,
+    stride_vsb, stride_vss, stride_vsh,
     stride_btb, stride_btn, stride_sl,
     seqlen_new, num_kv_heads, num_head_blocks, capacity, num_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_SCALE: tl.constexpr,
 ):
-    """Copy new token ``t`` of sequence ``b`` (a block of heads) to cache position ``len_b + t``."""
+    """Copy new token ``t`` of sequence ``b`` (a block of heads) to cache position ``len_b + t``.
+
+    A quantized cache (``KV_SCALE`` 1: scales per KV head or tensor, read; 2: per token and KV
+    head, computed and written beside the token) gets the token quantized (:func:`_quantized`).
+    The scales' strides are ``(block or b, slot, head)``, 0 where the granularity has no such axis.
+    """
     pid = tl.program_id(0)
     head_block = pid % num_head_blocks
     row = pid // num_head_blocks
@@ -477,6 +616,12 @@ def _append_kernel(
                 + offs_d[None, :], mask=mask)
     v = tl.load(VNew + batch * stride_nvb + token * stride_nvt + heads[:, None] * stride_nvh
                 + offs_d[None, :], mask=mask)
+    if KV_SCALE != 0:
+        row_ok = heads < heads_to_write
+        k = _quantized(tl.where(mask, k, 0.0), KScale, block * stride_ksb + pos * stride_kss + heads * stride_ksh,
+                       row_ok, KV_SCALE == 2, K.dtype.element_ty)
+        v = _quantized(tl.where(mask, v, 0.0), VScale, block * stride_vsb + pos * stride_vss + heads * stride_vsh,
+                       row_ok, KV_SCALE == 2, V.dtype.element_ty)
     tl.store(K + block * stride_kb + pos * stride_ks + heads[:, None] * stride_kh + offs_d[None, :],
              k, mask=mask)
     tl.store(V + block * stride_vb + pos * stride_vs + heads[:, None] * stride_vh + offs_d[None, :],
@@ -508,13 +653,13 @@ class CacheGeometry:
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size: int = 0,
-                tuned: DecodeTuning | None = None) -> DecodeConfig:
+                tuned: DecodeTuning | None = None, quantized: bool = False) -> DecodeConfig:
     """Tile and launch parameters for one call: the tuning's table entry (no autotuning).
-    ``page_size`` is 0 for a contiguous cache."""
+    ``page_size`` is 0 for a contiguous cache; ``quantized``: a 1-byte cache."""
     if interpreted:
         return INTERPRETER_CONFIG
     tuned = tuned or tuning.decode_tuning(None)
-    config = tuned.table(page_size)[padded_head_dim(head_dim)]
+    config = tuned.table(page_size, quantized)[padded_head_dim(head_dim)]
     if dtype == torch.float32:
         return DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
     return config
@@ -608,8 +753,26 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
     return s[0], s[1], s[2]
 
 
-def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> None:
-    """Write ``k_new, v_new [B, T, Hkv, D]`` into the cache at ``cache_seqlens[b] + t``, in place."""
+NO_SCALE = (0, (0, 0, 0))
+
+
+def scale_args(scale: torch.Tensor | None) -> tuple[int, tuple[int, int, int]]:
+    """``(KV_SCALE, (stride_block, stride_slot, stride_head))`` of a quantized cache's scale:
+    ``(0, ...)`` without one; 1 for one scale per tensor (``[]``/``[1]``: all strides 0) or per
+    KV head (``[Hkv]``); 2 per token and KV head (the cache's leading shape, 3-D)."""
+    if scale is None:
+        return NO_SCALE
+    if scale.dim() == 3:
+        return 2, scale.stride()
+    return 1, (0, 0, scale.stride(0) if scale.numel() > 1 else 0)
+
+
+def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale=None, v_scale=None) -> None:
+    """Write ``k_new, v_new [B, T, Hkv, D]`` into the cache at ``cache_seqlens[b] + t``, in place.
+
+    A quantized cache (``k_scale``/``v_scale`` of one granularity, see :func:`scale_args`) gets
+    the tokens quantized; per-token scales are written at the tokens' slots.
+    """
     batch, seqlen_new, num_kv_heads, head_dim = k_new.shape
     if batch == 0 or seqlen_new == 0:
         return
@@ -618,15 +781,19 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> Non
     block_h = min(next_power_of_2(num_kv_heads), max(1, APPEND_TILE_ELEMENTS // block_d))
     num_head_blocks = cdiv(num_kv_heads, block_h)
     bt, (stride_btb, stride_btn) = block_table_args(block_table, cache_seqlens)
+    mode, ks_strides = scale_args(k_scale)
+    _, vs_strides = scale_args(v_scale)
     _launch_append((batch * seqlen_new * num_head_blocks,),
-        k_new, v_new, k_cache, v_cache, bt, cache_seqlens,
+        k_new, v_new, k_cache, v_cache, k_scale if mode else k_cache, v_scale if mode else v_cache, bt,
+        cache_seqlens,
         k_new.stride(0), k_new.stride(1), k_new.stride(2),
         v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *ks_strides, *vs_strides,
         stride_btb, stride_btn, cache_seqlens.stride(0),
         seqlen_new, num_kv_heads, num_head_blocks, geometry.capacity, geometry.num_blocks,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE_SIZE=geometry.page_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE_SIZE=geometry.page_size, KV_SCALE=mode,
         num_warps=4,
     )
 
@@ -670,10 +837,13 @@ def decode_forward(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     cache_leftpad: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     tuned: DecodeTuning | None = None,
 ) -> None:
     """Attend ``q`` to the cache (new keys already appended: ``appended`` of them, 0 or T);
-    writes ``out`` and ``lse`` (or None).
+    writes ``out`` and ``lse`` (or None). A quantized cache (float8_e4m3fn or int8) comes with
+    ``k_scale``/``v_scale`` of one granularity (:func:`scale_args`).
 
     Shapes: ``q [B, T, Hq, D]``, caches as in the module docstring, ``cache_seqlens [B]``
     int32, ``out [B, T, Hq, D]``, ``lse [B, Hq, T]`` float32, ``cache_leftpad [B]`` int32 or
@@ -691,7 +861,7 @@ def decode_forward(
         tuned = tuning.decode_tuning(q.device if not interpreted else None)
     from_table = config is None
     if from_table:
-        config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size, tuned)
+        config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size, tuned, k_scale is not None)
     group = num_heads // num_kv_heads
     block_m = pick_block_m(group * seqlen_new, head_dim)
     num_row_tiles = cdiv(group * seqlen_new, block_m)
@@ -715,11 +885,15 @@ def decode_forward(
     target, target_lse, o_strides, l_strides = split_targets(q, out, lse, num_splits)
     bt, bt_strides = block_table_args(block_table, cache_seqlens)
     mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
+    kv_scale, ks_strides = scale_args(k_scale)
+    _, vs_strides = scale_args(v_scale)
     _launch_decode(
         (batch * num_kv_heads * num_splits * num_row_tiles,),
-        q, k_cache, v_cache, bt, cache_seqlens, target, target_lse if target_lse is not None else target,
+        q, k_cache, v_cache, k_scale if kv_scale else q, v_scale if kv_scale else q,
+        bt, cache_seqlens, target, target_lse if target_lse is not None else target,
         mods.pop("Slopes"), mods.pop("Sinks"), cache_leftpad if cache_leftpad is not None else cache_seqlens,
-        _strides3(q), _strides3(k_cache), _strides3(v_cache), bt_strides, cache_seqlens.stride(0),
+        _strides3(q), _strides3(k_cache), _strides3(v_cache), ks_strides, vs_strides, bt_strides,
+        cache_seqlens.stride(0),
         o_strides, l_strides, mods.pop("alibi_strides"), mods.pop("sink_stride"),
         cache_leftpad.stride(0) if cache_leftpad is not None else 0,
         seqlen_new=seqlen_new, appended=appended, capacity=geometry.capacity, num_blocks=geometry.num_blocks,
@@ -727,7 +901,7 @@ def decode_forward(
         qk_scale=softmax_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
-        WRITE_LSE=target_lse is not None, HAS_START=cache_leftpad is not None,
+        WRITE_LSE=target_lse is not None, HAS_START=cache_leftpad is not None, KV_SCALE=kv_scale,
         num_warps=_warps_for(config, block_m, head_dim), num_stages=config.num_stages,
         **mods, **dot_flags(q.dtype, interpreted),
     )

@@ -9,14 +9,15 @@ Two families, two backends each:
 * decode (``flash_attn_with_kvcache``): ``"triton"`` (``decode.py``: everything) and ``"gluon"``
   (``gluon/decode.py``: plain attention, Hopper, bf16/fp16, head dim 64/128/256, at most 16 rows
   of GQA group x new tokens, contiguous caches or pages of at least 16 keys, no key start,
-  TMA-compatible caches).
+  TMA-compatible caches, in q's dtype or quantized with scales per tensor or KV head).
 
 ``backend="auto"`` takes the Gluon kernel where it is supported and the policy wants it (prefill:
 always, it was faster at every measured shape; decode: while a CUDA graph is being captured,
 paged caches at the tuned head dims whose work items read at most
 ``DecodeTuning.gluon_max_item_tokens`` keys, see ``tuned/decode.json``: its GPU time is lower
 there, but its launch encodes two TMA descriptors on the host, which an eager call pays and a
-graph replay does not), else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
+graph replay does not; quantized caches too where ``DecodeTuning.gluon_quantized`` says so),
+else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
 from :func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
 
 The environment is read once, at import (:data:`SETTINGS`): ``FLASHKERNEL_GLUON=0`` keeps
@@ -209,10 +210,13 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def decode_refusal(backend: str, q, k_cache, v_cache, block_table, variant: Variant,
-                   cache_leftpad=None) -> str | None:
+                   cache_leftpad=None, k_scale=None) -> str | None:
     """Why ``backend`` cannot run this (validated) decode call, or None when it can."""
     if backend == "triton":
         return None
+    if k_scale is not None and k_scale.dim() == 3:
+        return ("the Gluon decode kernel takes quantized caches with scales per tensor or per KV head only "
+                "(per-token scales run on the Triton kernel)")
     if not variant.is_plain:
         return "the Gluon decode kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
     if cache_leftpad is not None:
@@ -253,36 +257,40 @@ def gluon_decode_splits(q, k_cache, geometry, tuned: DecodeTuning) -> int:
 
 
 def decode_backend(backend: str, q, k_cache, v_cache, block_table, variant: Variant, num_splits: int,
-                   tuned: DecodeTuning, cache_leftpad=None) -> str:
+                   tuned: DecodeTuning, cache_leftpad=None, k_scale=None) -> str:
     """The backend that runs this decode call (see the module docstring)."""
     if backend == "auto":
-        if not SETTINGS.gluon or not variant.is_plain or cache_leftpad is not None or interpreted():
+        if (not SETTINGS.gluon or not variant.is_plain or cache_leftpad is not None or interpreted()
+                or (k_scale is not None and not tuned.gluon_quantized)):
             return "triton"  # the cheap tests first: most calls stop here
         if not torch.cuda.is_current_stream_capturing():
             return "triton"  # an eager call: the Triton kernel's launch costs less host time
         geometry = triton_decode.CacheGeometry.of(k_cache, block_table)
         if not gluon_decode_wanted(geometry.page_size, q.shape[-1], 0, tuned):
             return "triton"
-        if decode_refusal("gluon", q, k_cache, v_cache, block_table, variant, cache_leftpad) is not None:
+        if decode_refusal("gluon", q, k_cache, v_cache, block_table, variant, cache_leftpad, k_scale) is not None:
             return "triton"
         splits = num_splits or gluon_decode_splits(q, k_cache, geometry, tuned)
         wanted = gluon_decode_wanted(geometry.page_size, q.shape[-1], cdiv(geometry.capacity, splits), tuned)
         return "gluon" if wanted else "triton"
-    _refuse(backend, decode_refusal(backend, q, k_cache, v_cache, block_table, variant, cache_leftpad))
+    _refuse(backend, decode_refusal(backend, q, k_cache, v_cache, block_table, variant, cache_leftpad, k_scale))
     return backend
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=None, v_new=None, cache_leftpad=None,
            causal: bool, softmax_scale: float, num_splits: int = 0, window_size=(-1, -1), softcap=0.0,
-           alibi_slopes=None, sinks=None, backend: str = "auto", tuned: DecodeTuning | None = None) -> str:
-    """One decode step (validated inputs, B and T >= 1): append ``k_new, v_new`` when given,
-    then attend into ``out``/``lse``. Returns the backend that ran the attention."""
+           alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, backend: str = "auto",
+           tuned: DecodeTuning | None = None) -> str:
+    """One decode step (validated inputs, B and T >= 1): append ``k_new, v_new`` when given
+    (quantized with ``k_scale``/``v_scale`` over a quantized cache), then attend into
+    ``out``/``lse``. Returns the backend that ran the attention."""
     if tuned is None:
         tuned = tuning.decode_tuning(q.device if q.device.type == "cuda" and not interpreted() else None)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
-    chosen = decode_backend(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad)
+    chosen = decode_backend(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad,
+                            k_scale)
     if k_new is not None:
-        triton_decode.append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table)
+        triton_decode.append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
     appended = q.shape[1] if k_new is not None else 0
     if chosen == "gluon":
         geometry = triton_decode.CacheGeometry.of(k_cache, block_table)
@@ -291,10 +299,12 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=N
                      capacity=geometry.capacity, num_blocks=geometry.num_blocks, appended=appended,
                      causal=variant.causal, softmax_scale=softmax_scale,
                      num_splits=num_splits or gluon_decode_splits(q, k_cache, geometry, tuned),
-                     config=gluon.config_for(q.shape[-1], tuned), sms=triton_decode.sm_count(q.device, False))
+                     config=gluon.config_for(q.shape[-1], tuned), sms=triton_decode.sm_count(q.device, False),
+                     k_scale=k_scale, v_scale=v_scale)
     else:
         triton_decode.decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, appended=appended,
                                      causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                     sinks=sinks, cache_leftpad=cache_leftpad, tuned=tuned)
+                                     sinks=sinks, cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale,
+                                     tuned=tuned)
     return chosen

@@ -236,7 +236,8 @@ class DecodeTuning:
     """Everything the decode path decides by measurement (``tuned/decode.json``).
 
     Tables (``padded head dim -> DecodeConfig``): ``contiguous`` caches; pages of at least
-    ``large_page`` keys use the contiguous table (one look-up per tile); ``small_pages``.
+    ``large_page`` keys use the contiguous table (one look-up per tile); ``small_pages``; the
+    same two for 1-byte (quantized) caches, ``quantized_contiguous`` and ``quantized_small_pages``.
     Rules: automatic splits aim for one program per SM, over small pages two once each split
     still reads ``small_page_two_wave_tokens`` keys; each split gets at least
     ``min_split_tokens`` of the capacity where the short-context rules were measured (bf16/fp16,
@@ -245,11 +246,14 @@ class DecodeTuning:
     ``short_block_n``-key tiles; grids of more than a wave whose programs read at most
     ``multi_wave_max_tokens`` keys (or read small pages) use ``multi_wave_config``. Gluon:
     the default for paged caches at ``gluon_head_dims`` whose work items read at most
-    ``gluon_max_item_tokens`` keys, with ``gluon_configs`` (``head dim -> (block_n, stages)``).
+    ``gluon_max_item_tokens`` keys, with ``gluon_configs`` (``head dim -> (block_n, stages)``),
+    over quantized caches too when ``gluon_quantized``.
     """
 
     contiguous: dict
     small_pages: dict
+    quantized_contiguous: dict
+    quantized_small_pages: dict
     large_page: int
     small_page_two_wave_tokens: int
     min_split_tokens: int
@@ -262,10 +266,15 @@ class DecodeTuning:
     gluon_head_dims: tuple
     gluon_max_item_tokens: int
     gluon_configs: dict
+    gluon_quantized: bool
 
-    def table(self, page_size: int) -> dict:
-        """The tile table for a cache layout (``page_size`` 0: contiguous)."""
-        return self.contiguous if page_size == 0 or page_size >= self.large_page else self.small_pages
+    def table(self, page_size: int, quantized: bool = False) -> dict:
+        """The tile table for a cache layout (``page_size`` 0: contiguous) and element size
+        (``quantized``: 1-byte entries)."""
+        whole_tiles = page_size == 0 or page_size >= self.large_page
+        if quantized:
+            return self.quantized_contiguous if whole_tiles else self.quantized_small_pages
+        return self.contiguous if whole_tiles else self.small_pages
 
     def __hash__(self) -> int:  # dict fields: hashed by identity (one object per loaded entry)
         return id(self)
@@ -283,6 +292,8 @@ class DecodeTuning:
 
         return DecodeTuning(
             contiguous=table(triton_part["contiguous"]), small_pages=table(triton_part["small_pages"]),
+            quantized_contiguous=table(triton_part["quantized"]["contiguous"]),
+            quantized_small_pages=table(triton_part["quantized"]["small_pages"]),
             large_page=triton_part["large_page"],
             small_page_two_wave_tokens=rules["small_page_two_wave_tokens"],
             min_split_tokens=rules["min_split_tokens"],
@@ -293,6 +304,7 @@ class DecodeTuning:
             max_auto_splits=rules["max_auto_splits"],
             gluon_head_dims=tuple(gluon_part["head_dims"]), gluon_max_item_tokens=gluon_part["max_item_tokens"],
             gluon_configs={int(d): tuple(v) for d, v in gluon_part["configs"].items()},
+            gluon_quantized=gluon_part["quantized"],
         )
 
 

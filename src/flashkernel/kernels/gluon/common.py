@@ -15,6 +15,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._common import cuda_properties
 
 TORCH_TO_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# A decode cache's element types: q's, or a quantized cache's 1-byte formats.
+CACHE_TO_GL = {**TORCH_TO_GL, torch.float8_e4m3fn: gl.float8e4nv, torch.int8: gl.int8}
 
 
 @gluon.constexpr_function
@@ -27,7 +29,7 @@ def tile_layout(rows, head_dim, dtype):
 def _host_tile_layout(rows: int, head_dim: int, dtype: torch.dtype):
     """:func:`tile_layout` for the host's descriptors, cached (building one costs ~9 us, and a
     call makes four)."""
-    return tile_layout(rows, head_dim, TORCH_TO_GL[dtype])
+    return tile_layout(rows, head_dim, CACHE_TO_GL[dtype])
 
 
 def make_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:

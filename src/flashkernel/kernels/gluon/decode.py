@@ -30,6 +30,12 @@ as in ``decode.py``) against the split's run of whole ``BLOCK_N`` tiles of the c
   pointer stores: the final output when there is one split, else fp32 partials and their LSE
   for ``combine.py``, exactly as the Triton kernel writes them.
 
+A quantized cache (float8_e4m3fn or int8, scales per tensor or per KV head; ``QUANTIZED``) streams
+through the same ring at half the bytes; the consumer converts K and V to fp16 in registers after
+``ldmatrix`` (exact), takes q in fp16 scaled by a power of two as the Triton kernel does, folds K's
+scale into the scores' scale and multiplies the output by V's. Per-token scales run on the
+Triton kernel (they would need the page look-ups in the consumer, or TMA boxes of one float).
+
 Measured on the H200 (docs/perf-notes.md, "Decode in Gluon"): with no math at all the consumer-less stream runs at the Triton kernel's
 speed (the cache's layout and the HBM set the pace, not the kernel); a 64-row wgmma consumer was
 2-5% slower than Triton, this one -2..+5% on contiguous caches and 2-7% faster over pages at
@@ -164,6 +170,19 @@ def _load_q_rows(Q, batch, kv_head, stride_qb, stride_qt, stride_qh, group, rows
 
 
 @gluon.jit
+def _queries_as_f16(q):
+    """Query rows over a quantized cache, as the Triton kernel takes them
+    (``decode._queries_as_f16``): ``(q * 2**e as float16, 2**-e)``, ``e`` per item so the
+    largest magnitude lands in ``[2**14, 2**15)``."""
+    x = q.to(gl.float32)
+    largest = gl.max(gl.max(gl.abs(x), 1), 0)
+    binade = gl.minimum(gl.maximum((largest.to(gl.int32, bitcast=True) >> 23) - 127, -100), 100)
+    up = ((141 - binade) << 23).to(gl.float32, bitcast=True)  # 2 ** (14 - binade)
+    down = ((113 + binade) << 23).to(gl.float32, bitcast=True)  # 2 ** (binade - 14)
+    return (x * up).to(gl.float16), down
+
+
+@gluon.jit
 def _zero_rows_past(v_smem, valid, HEAD_DIM: gl.constexpr):
     """Zero rows ``>= valid`` of the ``[BLOCK_N, D]`` V tile in shared memory (keys past the
     length: whatever the cache holds there must not reach ``P V``)."""
@@ -206,26 +225,35 @@ def _store_item(acc, m_i, l_i, Out, Lse, split, batch, kv_head, group, rows,
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, ready, empty, Q, SeqLens, Out, Lse,
-              stride_qb, stride_qt, stride_qh, stride_sl,
+def _consumer(k_bufs, v_bufs, ready, empty, Q, SeqLens, Out, Lse, KScale, VScale,
+              stride_qb, stride_qt, stride_qh, stride_sl, stride_ksh, stride_vsh,
               stride_os, stride_ob, stride_ot, stride_oh,
               stride_ls, stride_lb, stride_lh, stride_lt,
               seqlen_new, appended, capacity, num_kv_heads, group, num_splits, num_items, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """4 warps: per item, the query rows, then the online softmax over its tiles."""
+              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, QUANTIZED: gl.constexpr):
+    """4 warps: per item, the query rows, then the online softmax over its tiles. ``QUANTIZED``:
+    a 1-byte cache with one scale per KV head (per tensor: head stride 0); the MMAs run in fp16,
+    K's scale joins the scores' scale and V's multiplies the output, as in the Triton kernel."""
     BLOCK_M: gl.constexpr = _BLOCK_M
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    dtype: gl.constexpr = k_bufs.dtype
+    if QUANTIZED:
+        dtype: gl.constexpr = gl.float16
+    else:
+        dtype: gl.constexpr = k_bufs.dtype
     rows = group * seqlen_new
     use = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         batch, kv_head, length, lo, n_tiles = _item(item, SeqLens, stride_sl, appended, capacity,
                                                      num_kv_heads, num_splits, BLOCK_N)
         q = _load_q_rows(Q, batch, kv_head, stride_qb, stride_qt, stride_qh, group, rows, BLOCK_M, HEAD_DIM)
+        item_scale = qk_scale
+        if QUANTIZED:
+            q, q_unscale = _queries_as_f16(q)
+            item_scale = qk_scale * q_unscale * gl.load(KScale + kv_head.to(gl.int64) * stride_ksh)
         q = gl.convert_layout(q, a_layout)
         # Token t (row r: t = r // group) sees keys <= t + length - T. In tile-local terms for
         # _softmax_tile (its FUSED_MASK form): keys are counted from lo, the last visible key of
@@ -245,14 +273,17 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, SeqLens, Out, Lse,
             mbarrier.wait(ready.index(slot), phase)
             k_smem = _as_matrix(k_bufs.index(slot))
             v_smem = _as_matrix(v_bufs.index(slot))
-            s = mma_v2(q, k_smem.permute((1, 0)).load(b_layout), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout))
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, unmasked, limit, visible_end, 0, qk_scale,
+            k = k_smem.permute((1, 0)).load(b_layout).to(dtype)  # 1-byte entries to fp16: exact
+            s = mma_v2(q, k, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout))
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, unmasked, limit, visible_end, 0, item_scale,
                                                BLOCK_N, CAUSAL, True)
             if (j + 1) * BLOCK_N > visible_end:
                 _zero_rows_past(v_smem, visible_end - j * BLOCK_N, HEAD_DIM)
-            acc = mma_v2(gl.convert_layout(p.to(dtype), a_layout), v_smem.load(b_layout), _rescale(acc, alpha))
+            acc = mma_v2(gl.convert_layout(p.to(dtype), a_layout), v_smem.load(b_layout).to(dtype), _rescale(acc, alpha))
             mbarrier.arrive(empty.index(slot))
             use += 1
+        if QUANTIZED:
+            acc = acc * gl.load(VScale + kv_head.to(gl.int64) * stride_vsh)
         _store_item(acc, m_i, l_i, Out, Lse, item % num_splits, batch, kv_head, group, rows,
                     stride_os, stride_ob, stride_ot, stride_oh,
                     stride_ls, stride_lb, stride_lh, stride_lt, WRITE_LSE)
@@ -264,20 +295,21 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, SeqLens, Out, Lse,
                               "stride_lh", "stride_lt", "seqlen_new", "appended", "capacity", "num_blocks",
                               "num_kv_heads", "group", "num_splits", "num_items"])
 def _gluon_decode_kernel(
-    k_desc, v_desc, Q, BlockTable, SeqLens, Out, Lse,
+    k_desc, v_desc, Q, BlockTable, SeqLens, Out, Lse, KScale, VScale,
     stride_qb, stride_qt, stride_qh,
-    stride_btb, stride_btn, stride_sl,
+    stride_btb, stride_btn, stride_sl, stride_ksh, stride_vsh,
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
     seqlen_new, appended, capacity, num_blocks, num_kv_heads, group, num_splits, num_items, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, QUANTIZED: gl.constexpr,
 ):
     """Grid ``(min(#SMs, num_items),)``, 4 warps + 1 producer warp. Descriptors: k/v over the
     cache as given (``[B, S_max, Hkv, D]`` or ``[num_blocks, page, Hkv, D]``), box ``[1,
     BLOCK_N, 1, D]`` (``[1, page, 1, D]`` for pages shorter than a tile). ``Out``/``Lse``: the
     final output and LSE, or with several splits the fp32 partials (``stride_os``/``stride_ls``
-    step between splits)."""
+    step between splits). ``QUANTIZED``: a float8_e4m3fn / int8 cache with scales per KV head at
+    ``KScale``/``VScale`` (head strides ``stride_ksh``/``stride_vsh``, 0 for a per-tensor scale)."""
     dtype: gl.constexpr = k_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, HEAD_DIM], dtype)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], tile_layout)
@@ -286,12 +318,12 @@ def _gluon_decode_kernel(
     empty = _alloc_barriers(STAGES, 1)
     fence_async_shared()  # barrier inits visible to the async proxy (TMA) before first use
     gl.warp_specialize([
-        (_consumer, (k_bufs, v_bufs, ready, empty, Q, SeqLens, Out, Lse,
-                     stride_qb, stride_qt, stride_qh, stride_sl,
+        (_consumer, (k_bufs, v_bufs, ready, empty, Q, SeqLens, Out, Lse, KScale, VScale,
+                     stride_qb, stride_qt, stride_qh, stride_sl, stride_ksh, stride_vsh,
                      stride_os, stride_ob, stride_ot, stride_oh,
                      stride_ls, stride_lb, stride_lh, stride_lt,
                      seqlen_new, appended, capacity, num_kv_heads, group, num_splits, num_items, qk_scale,
-                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE)),
+                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, WRITE_LSE, QUANTIZED)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable, SeqLens,
                      stride_btb, stride_btn, stride_sl, appended, capacity, num_blocks, num_kv_heads,
                      num_splits, num_items, BLOCK_N, STAGES, PAGE_SIZE)),
@@ -305,7 +337,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pag
     """Whether :func:`launch` handles this (already validated) decode call's tensors: a Hopper
     GPU, bf16/fp16, head dim 64/128/256, at most 16 rows (group x new tokens) per KV head, a contiguous cache or
     pages of at least ``MIN_PAGE`` keys, TMA-compatible caches (16-byte aligned base and strides,
-    contiguous last dim)."""
+    contiguous last dim), in q's dtype or quantized (scales per tensor or KV head: the caller's)."""
     if not q.is_cuda or q.dtype not in TORCH_TO_GL or q.shape[-1] not in HEAD_DIMS:
         return False
     if not is_sm90(q.device):
@@ -316,10 +348,16 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pag
     return tma_aligned(k_cache, broadcast=False) and tma_aligned(v_cache, broadcast=False)
 
 
+def head_stride(scale: torch.Tensor | None) -> int:
+    """A per-tensor (``[]``/``[1]``: 0) or per-KV-head (``[Hkv]``) scale's stride between heads."""
+    return 0 if scale is None or scale.numel() == 1 else scale.stride(0)
+
+
 def launch_args(q, k_cache, v_cache, cache_seqlens, block_table, target, target_lse, o_strides, l_strides, *,
                 appended: int, capacity: int, num_blocks: int, page_size: int, num_splits: int, causal: bool,
-                softmax_scale: float, config: GluonDecodeConfig, sms: int):
-    """``(grid, args, kwargs)`` of one launch (also used to compile without a GPU)."""
+                softmax_scale: float, config: GluonDecodeConfig, sms: int, k_scale=None, v_scale=None):
+    """``(grid, args, kwargs)`` of one launch (also used to compile without a GPU). A quantized
+    cache comes with ``k_scale``/``v_scale`` per tensor or per KV head."""
     batch, seqlen_new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     items = batch * num_kv_heads * num_splits
@@ -329,15 +367,18 @@ def launch_args(q, k_cache, v_cache, cache_seqlens, block_table, target, target_
     else:
         bt, stride_btb, stride_btn = block_table, block_table.stride(0), block_table.stride(1)
     grid = (max(1, min(items, config.max_programs or sms)),)
+    quantized = k_scale is not None
     args = (make_descriptor(k_cache, box), make_descriptor(v_cache, box), q, bt, cache_seqlens, target,
             target_lse if target_lse is not None else target,
+            k_scale if quantized else q, v_scale if quantized else q,
             q.stride(0), q.stride(1), q.stride(2), stride_btb, stride_btn, cache_seqlens.stride(0),
+            head_stride(k_scale), head_stride(v_scale),
             *o_strides, *l_strides,
             seqlen_new, appended, capacity, num_blocks, num_kv_heads, num_heads // num_kv_heads, num_splits,
             items, softmax_scale * LOG2E)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, PAGE_SIZE=page_size,
                   CAUSAL=causal, WRITE_LSE=target_lse is not None, PRODUCER_REGS=config.producer_regs,
-                  )
+                  QUANTIZED=quantized)
     return grid, args, kwargs
 
 
@@ -355,14 +396,15 @@ def num_splits_for(programs: int, capacity: int, sms: int, block_n: int, min_spl
 
 def attend(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, page_size: int, capacity: int,
            num_blocks: int, appended: int, causal: bool, softmax_scale: float, num_splits: int, config,
-           sms: int) -> None:
+           sms: int, k_scale=None, v_scale=None) -> None:
     """The attention of one decode step (new keys already appended) into ``out``/``lse``: the
     kernel writes the output directly with one split, else fp32 partials that ``combine``
     merges (the Triton family's workspace and merge)."""
     target, target_lse, o_strides, l_strides = split_targets(q, out, lse, num_splits)
     launch(q, k_cache, v_cache, cache_seqlens, block_table, target, target_lse, o_strides, l_strides,
            appended=appended, capacity=capacity, num_blocks=num_blocks, page_size=page_size,
-           num_splits=num_splits, causal=causal, softmax_scale=softmax_scale, config=config, sms=sms)
+           num_splits=num_splits, causal=causal, softmax_scale=softmax_scale, config=config, sms=sms,
+           k_scale=k_scale, v_scale=v_scale)
     if num_splits > 1:
         combine(target, target_lse, out, lse)
 
