@@ -567,7 +567,7 @@ def _static_scale(x: torch.Tensor, granularity: str, dtype: torch.dtype) -> torc
     largest = torch.stack(parts).amax(dim=0).float()
     if granularity == "tensor":
         largest = largest.amax().reshape(1)
-    scale = largest / QUANT_MAX[dtype]
+    scale = (largest.double() / QUANT_MAX[dtype]).float()  # correctly rounded (CUDA's x / 448 is x * (1 / 448))
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 

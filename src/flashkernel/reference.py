@@ -307,7 +307,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     """``x / scale`` in float32 (``scale`` broadcasts against ``x``), saturated to ``dtype``'s
     range and rounded to nearest, ties to even, as ``dtype`` (float8_e4m3fn or int8)."""
     bound = QUANT_MAX[dtype]
-    y = (x.float() / scale.float()).clamp(-bound, bound)
+    # The float32 quotient correctly rounded, as the kernels' IEEE division gives it: computed in
+    # float64 (exact enough that rounding to float32 once more changes nothing), because PyTorch's
+    # CUDA division by a scalar multiplies by its reciprocal, off by an ulp now and then.
+    y = (x.double() / scale.double()).float().clamp(-bound, bound)
     if dtype == torch.int8:
         return torch.round(y).to(torch.int8)  # torch.round: half to even
     return y.to(dtype)  # round to nearest even, subnormals included
@@ -316,7 +319,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 def quantize_tokens(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token scales: ``x [..., D]`` -> ``(stored [..., D], scale [...] float32)`` with
     ``scale = max |x| / QUANT_MAX`` over the last dimension (rows of zeros: scale 0, stored 0)."""
-    scale = x.float().abs().amax(dim=-1) / QUANT_MAX[dtype]
+    scale = (x.double().abs().amax(dim=-1) / QUANT_MAX[dtype]).float()  # correctly rounded, see quantize
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     stored = quantize(torch.where(scale[..., None] > 0, x.float(), 0.0), safe[..., None], dtype)
     return stored, scale

@@ -133,14 +133,19 @@ def _queries_as_f16(q):
     undone on the scores; elements more than ``2**28`` below the largest become fp16
     subnormals, an absolute error below ``2**-39`` of the largest per element.
     """
+    # One return after a static if: Triton's code generator visits a return inside a constexpr
+    # branch and then the code after it too, and refuses two return types.
     if q.dtype == tl.float32:
-        return q, 1.0
-    x = q.to(tl.float32)
-    largest = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    binade = tl.minimum(tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) - 127, -100), 100)
-    up = ((141 - binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (14 - binade)
-    down = ((113 + binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (binade - 14)
-    return (x * up).to(tl.float16), down
+        rows = q
+        down = 1.0
+    else:
+        x = q.to(tl.float32)
+        largest = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        binade = tl.minimum(tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) - 127, -100), 100)
+        up = ((141 - binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (14 - binade)
+        down = ((113 + binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (binade - 14)
+        rows = (x * up).to(tl.float16)
+    return rows, down
 
 
 @triton.jit
