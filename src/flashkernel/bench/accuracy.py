@@ -59,9 +59,19 @@ class Accuracy:
         return 0.0 if self.max_err == 0 else float("inf")
 
 
-def error_bound(torch_err: float, truth_abs_max: float, dtype: torch.dtype) -> float:
-    """Largest max error allowed (see the module docstring)."""
-    return TRUTH_FACTOR * torch_err + torch.finfo(dtype).eps * max(1.0, truth_abs_max)
+def error_bound(torch_err: float, truth_abs_max: float, dtype: torch.dtype, lse_abs_max: float | None = None) -> float:
+    """Largest max error allowed (see the module docstring).
+
+    With ``lse_abs_max`` (the largest ``|LSE|`` of the rows compared) the bound also allows for the
+    float32 rounding of the scaled scores themselves, ``eps32 * |s|`` with ``|s|`` about ``|LSE|``
+    for the keys that carry weight: no float32 softmax avoids it, and PyTorch's own error may not
+    show it (at a power-of-two scale its scores are rounded once, ours twice: the scale is folded
+    with ``log2(e)``). It matters only for large logits (``|LSE|`` in the hundreds and up).
+    """
+    bound = TRUTH_FACTOR * torch_err + torch.finfo(dtype).eps * max(1.0, truth_abs_max)
+    if lse_abs_max is not None:
+        bound += torch.finfo(torch.float32).eps * max(1.0, lse_abs_max) * max(1.0, truth_abs_max)
+    return bound
 
 
 def row_windows(batch: int, seqlen_q: int, window: int | None) -> list[Window]:
