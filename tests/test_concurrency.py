@@ -24,10 +24,10 @@ def bits(x):
 
 
 def same_bits(a, b) -> bool:
-    a, b = bits(a), bits(b)
-    if isinstance(a, tuple):
-        return all(torch.equal(x, y) for x, y in zip(a, b))
-    return torch.equal(a, b)
+    """Equal bit for bit (tensors, or nested tuples of them)."""
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    return torch.equal(bits(a), bits(b))
 
 
 def randn(*shape, dtype=torch.bfloat16):
