@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import random
 import shutil
 import subprocess
@@ -54,7 +53,7 @@ import torch
 
 from .. import reference
 from . import accuracy
-from .fuzz_space import Config, KernelClass, Space, class_of, draw, make_classes
+from .fuzz_space import Config, Space, class_of, draw, make_classes
 
 LSE_RELATIVE_TOL = 5e-5
 FULL_CHECK_SCORES = 2**22  # below this many scores (B x H x Sq x Sk) every query row is checked
@@ -75,7 +74,6 @@ class Inputs:
         self.dtype = getattr(torch, config.cls.dtype)
         seed = random.Random(f"{config.seed}/{config.index}/inputs").getrandbits(62)
         self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.buffers = []  # (view, buffer): the buffer holds the view and the fill around it
 
     def normal(self, *shape, std: float = 1.0) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen, device=self.device, dtype=torch.float32) * std
@@ -108,7 +106,6 @@ class Inputs:
         else:
             buf = torch.full(shape, fill, dtype=self.dtype, device=self.device)
             view = buf
-        self.buffers.append((view, buf))
         return view, buf
 
     def tensor(self, shape, layout: str = "contiguous", std: float = 1.0) -> torch.Tensor:
