@@ -91,7 +91,8 @@ def test_cpu_slice(chunk, tmp_path):
     """Eight configurations per chunk through the command line: every one passes, the log has a
     line each and the summary counts them."""
     out = tmp_path / "fuzz.jsonl"
-    status = fuzz.main(["--configs", "8", "--first", str(8 * chunk), "--seed", str(SEED), "--out", str(out)])
+    status = fuzz.main(["--configs", "8", "--first", str(8 * chunk), "--seed", str(SEED), "--workers", "1",
+                        "--out", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     summary = json.loads(out.with_name("fuzz.jsonl.summary.json").read_text())
     assert status == 0, summary["failures"]
