@@ -186,7 +186,8 @@ def flash_attn_func(
             that joins the softmax denominator with no value vector (gpt-oss): ``out = sum_j
             e^(s_j) v_j / (e^sink + sum_j e^(s_j))``. The returned LSE includes it; a row that
             sees no key returns 0 with LSE = sink. The sink is compared with the final scores as
-            is (not scaled or capped).
+            is (not scaled or capped). Each sink is a finite logit or -inf (no sink); +inf or NaN
+            sinks are not checked (that would read the tensor) and give NaN.
         return_lse: also return the log-sum-exp of each row.
         backend: ``"auto"`` (default), ``"triton"`` or ``"gluon"``: which kernel runs the call
             (``kernels/dispatch.py``). ``"auto"`` takes the Gluon kernel on Hopper for plain
