@@ -199,8 +199,19 @@ def same_dtype_result(run, truth: torch.Tensor) -> torch.Tensor:
     return run(upcast=False, float32=True)
 
 
-def compare(out, lse, truth, truth_lse, torch_out, dtype) -> Outcome:
-    """Check ``out`` (and ``lse``, or None) against the float64 truth on the same rows."""
+def logit_bound(q, keys, softmax_scale) -> float:
+    """``softmax_scale * max|q_i| * max|k_j|``, a bound on every score's magnitude before the
+    variants (``accuracy.error_bound``); ``keys`` is a tensor or a list of them."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    keys = keys if isinstance(keys, (list, tuple)) else [keys]
+    k_norm = max((k.double().norm(dim=-1).max().item() for k in keys if k.numel()), default=0.0)
+    q_norm = q.double().norm(dim=-1).max().item() if q.numel() else 0.0
+    return scale * q_norm * k_norm
+
+
+def compare(out, lse, truth, truth_lse, torch_out, dtype, logits: float | None = None) -> Outcome:
+    """Check ``out`` (and ``lse``, or None) against the float64 truth on the same rows; ``logits``
+    bounds the scores' magnitude (:func:`logit_bound`)."""
     outcome = Outcome(rows=out.shape[0] * out.shape[1])
     if out.shape != truth.shape:
         outcome.fail(f"output shape {tuple(out.shape)}, expected {tuple(truth.shape)}")
@@ -216,10 +227,8 @@ def compare(out, lse, truth, truth_lse, torch_out, dtype) -> Outcome:
     err = (out.double() - truth).abs()
     torch_err = (torch_out.double() - truth).abs()
     truth_max = truth.abs().max().item()
-    finite_lse = truth_lse[torch.isfinite(truth_lse)]
-    lse_max = finite_lse.abs().max().item() if finite_lse.numel() else 0.0
     outcome.err, outcome.torch_err = err.max().item(), torch_err.max().item()
-    outcome.bound = accuracy.error_bound(outcome.torch_err, truth_max, dtype, lse_max)
+    outcome.bound = accuracy.error_bound(outcome.torch_err, truth_max, dtype, logits)
     if not outcome.err <= outcome.bound:
         worst = (err == err.max()).nonzero()[0].tolist()
         outcome.fail(f"max error {outcome.err:.3e} > bound {outcome.bound:.3e} (torch {outcome.torch_err:.3e}) at "
@@ -280,9 +289,9 @@ def check_rows(out, lse, q, k, v, rows, **kwargs) -> Outcome:
     torch_out = same_dtype_result(_reference_runner(q, k, v, rows, **kwargs), truth)
     if rows is not None:
         index = torch.as_tensor(rows, device=out.device)
-        out = out[:, index]
+        out, q = out[:, index], q[:, index]
         lse = lse[:, :, index] if lse is not None else None
-    return compare(out, lse, truth, truth_lse, torch_out, q.dtype)
+    return compare(out, lse, truth, truth_lse, torch_out, q.dtype, logit_bound(q, k, kwargs.get("softmax_scale")))
 
 
 # --- the families ----------------------------------------------------------------------------------
@@ -516,7 +525,13 @@ def check_decode(case: CacheCase, config: Config, before, out, lse, kwargs) -> O
         return result.to(torch.float64 if upcast else case.q.dtype)
 
     truth, truth_lse = reference.attention_with_kvcache(case.q, k_cache, v_cache, case.cache_seqlens, **ref_kwargs)
-    outcome = compare(out, lse, truth, truth_lse, same_dtype_result(run, truth), case.q.dtype)
+    starts = case.starts or [0] * len(case.seqlens)
+    keys = [reference.cache_prefix(k_cache, b, n, case.block_table)[min(start, n):]
+            for b, (n, start) in enumerate(zip(case.seqlens, starts))]
+    if case.k is not None:
+        keys.append(case.k)
+    outcome = compare(out, lse, truth, truth_lse, same_dtype_result(run, truth), case.q.dtype,
+                      logit_bound(case.q, keys, values["softmax_scale"]))
     for name, old, new, cache, view in (("k_cache", k_buf, case.k_buf, k_cache, case.k_cache),
                                         ("v_cache", v_buf, case.v_buf, v_cache, case.v_cache)):
         expected = old.clone()
