@@ -81,8 +81,9 @@ def part_fuzz(args, out: Path) -> dict:
 
 
 def part_sanitize(args, out: Path) -> dict:
+    per_tool = max(60.0, (args.limit - 10) / len(args.tools))  # a tool that hangs leaves the others their time
     cmd = [sys.executable, str(ROOT / "benchmarks" / "tools" / "sanitize.py"), "--out", str(out / "sanitizer"),
-           "--tools", *args.tools]
+           "--timeout", str(round(per_tool)), "--tools", *args.tools]
     status, seconds = run(cmd, out / "sanitizer.log", args.limit)
     summary_file = out / "sanitizer" / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() and status != "timeout" else {}
