@@ -53,10 +53,11 @@ def test_reports_are_counted(sanitize, tmp_path):
         "Invalid __global__ read of size 4 bytes | at _decode_kernel+0x1230 in decode.py:123"]
     assert sanitize.parse_report(racecheck) == {"errors": 0, "warnings": 0, "first_reports": []}
     assert sanitize.parse_report("no summary at all")["errors"] is None  # a run that died: not "0 errors"
-    summary = tmp_path / "summary.json"
     first = {"tool": "memcheck", "errors": 0, "cases": 5, "ok": True}
-    sanitize.merge_summary(summary, [first], "cs")
-    merged = sanitize.merge_summary(summary, [{"tool": "racecheck", "errors": 2, "cases": 5, "ok": False}], "cs")
+    (tmp_path / "memcheck.json").write_text(json.dumps(first))
+    assert sanitize.merge_summary(tmp_path)["runs"] == 1
+    (tmp_path / "racecheck.json").write_text(json.dumps({"tool": "racecheck", "errors": 2, "cases": 5, "ok": False}))
+    merged = sanitize.merge_summary(tmp_path)  # e.g. racecheck run in another session
     assert [t["tool"] for t in merged["tools"]] == ["memcheck", "racecheck"]
     assert merged["runs"] == 2 and merged["errors"] == 2 and not merged["ok"]
-    assert json.loads(summary.read_text())["tools"][0] == first
+    assert json.loads((tmp_path / "summary.json").read_text())["tools"][0] == first

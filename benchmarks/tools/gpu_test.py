@@ -7,12 +7,15 @@ results file with their counts.
     ./run.sh gpu-test sanitize        # compute-sanitizer memcheck/racecheck/synccheck/initcheck
     ./run.sh gpu-test summary         # merge what the parts wrote into the results file
 
-Each part writes its log and a small JSON of counts into ``--out`` (default
-``benchmarks/results/<gpu>/reliability/``) and ``summary`` merges whatever is there into
-``benchmarks/results/<gpu>/reliability.json`` (configurations fuzzed and failed, sanitizer runs and
-errors, tests passed and failed, each part's command, commit and time), so the parts can run in
-separate sessions; every part but ``summary`` ends with it too. ``--limit`` stops a part after that
-many seconds (its log so far is kept). Exit status 1 when a part failed or found anything.
+Each part writes its log and a small JSON of counts (with the GPU, versions and commit it ran
+at) into ``--out`` (default ``benchmarks/results/<gpu>/reliability/``), and ``summary`` merges
+whatever is there into ``reliability.json`` beside it (``--results``): configurations fuzzed and
+failed, sanitizer runs and errors, tests passed and failed. Every part ends with a summary too.
+So the parts can run in separate sessions, even on another machine than the summary: copy their
+``--out`` directories together (the sanitizer's tools each leave their own JSON, so
+``sanitize --tools memcheck racecheck`` and ``sanitize --tools synccheck initcheck`` add up), then
+``summary --out DIR``. ``--limit`` stops a part after that many seconds (its log so far is kept).
+Exit status 1 when a part failed or found anything.
 """
 
 from __future__ import annotations
@@ -84,34 +87,55 @@ def part_sanitize(args, out: Path) -> dict:
     per_tool = max(60.0, (args.limit - 10) / len(args.tools))  # a tool that hangs leaves the others their time
     cmd = [sys.executable, str(ROOT / "benchmarks" / "tools" / "sanitize.py"), "--out", str(out / "sanitizer"),
            "--timeout", str(round(per_tool)), "--tools", *args.tools]
-    status, seconds = run(cmd, out / "sanitizer.log", args.limit)
-    summary_file = out / "sanitizer" / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() and status != "timeout" else {}
-    return {"command": " ".join(cmd), "exit": status, "seconds": seconds, "runs": summary.get("runs", 0),
-            "errors": summary.get("errors"), "cases": summary.get("cases"),
-            "tools": {t["tool"]: {"errors": t["errors"], "warnings": t["warnings"], "exit": t["exit"],
-                                  "seconds": t["seconds"]} for t in summary.get("tools", [])},
-            "ok": status == 0 and summary.get("ok", False)}
+    status, seconds = run(cmd, out / f"sanitizer-{'-'.join(args.tools)}.log", args.limit)
+    result = {"command": " ".join(cmd), "exit": status, "seconds": seconds}
+    result.update(sanitizer_counts(out))
+    result["ok"] = status == 0 and result["ok"]
+    return result
+
+
+def sanitizer_counts(out: Path) -> dict:
+    """The sanitizer tools' results found in ``out/sanitizer`` (each tool's own JSON: tools run in
+    separate sessions count together once their directories are copied together)."""
+    tools = {}
+    for path in sorted((out / "sanitizer").glob("*.json")):
+        if path.name != "summary.json":
+            t = json.loads(path.read_text())
+            tools[t["tool"]] = {k: t.get(k) for k in ("errors", "warnings", "exit", "seconds", "cases", "cases_failed",
+                                                      "ok")}
+    return {"runs": len(tools), "errors": sum(t["errors"] or 0 for t in tools.values()) if tools else None,
+            "tools": tools, "ok": len(tools) == 4 and all(t["ok"] for t in tools.values())}
 
 
 RUNNERS = {"tests": part_tests, "fuzz": part_fuzz, "sanitize": part_sanitize}
 
 
+def environment(part: str) -> dict:
+    """Where and at which commit the part ran (each part's JSON carries it: the results file can be
+    made elsewhere, from the parts' files copied together)."""
+    from flashkernel.bench import results
+
+    import torch
+
+    env = results.environment([], "cuda" if torch.cuda.is_available() else "cpu")
+    env["command"] = " ".join(["./run.sh gpu-test", *sys.argv[1:]])
+    env["part"] = part
+    return env
+
+
 def summarize(out: Path, results_file: Path) -> dict:
     """Merge each part's JSON (written by the latest run of that part) into ``results_file``."""
-    from flashkernel.bench.results import environment
-
     parts = {}
     for name in PARTS:
         path = out / f"{name}.json"
         if path.exists():
             parts[name] = json.loads(path.read_text())
+    if (out / "sanitizer").is_dir():  # counted from every tool's own file, whichever session ran it
+        parts.setdefault("sanitize", {}).update(sanitizer_counts(out))
     fuzz, sanitize, tests = parts.get("fuzz", {}), parts.get("sanitize", {}), parts.get("tests", {})
-    env = environment([], "cuda" if gpu_slug() != "cpu" else "cpu")
-    env["command"] = "./run.sh gpu-test"
     doc = {
         "schema": "flashkernel-reliability/1",
-        "environment": env,
+        "environment": next((p["environment"] for p in parts.values() if "environment" in p), None),
         "configurations_fuzzed": fuzz.get("configurations", 0),
         "fuzz_failures": fuzz.get("failed"),
         "fuzz_seed": fuzz.get("seed"),
@@ -143,17 +167,17 @@ def main(argv=None) -> int:
                         help="what pytest runs (default: tests); must come last")
     args = parser.parse_args(argv)
     parts = list(PARTS) if "all" in args.parts else [p for p in PARTS if p in args.parts]
-    results_dir = ROOT / "benchmarks" / "results" / gpu_slug()
-    out = args.out or results_dir / "reliability"
-    results_file = args.results or results_dir / "reliability.json"
+    out = args.out or ROOT / "benchmarks" / "results" / gpu_slug() / "reliability"
+    results_file = args.results or out.parent / "reliability.json"
     out.mkdir(parents=True, exist_ok=True)
     status = 0
     for name in parts:
         print(f"gpu-test {name} ...", flush=True)
         result = RUNNERS[name](args, out)
+        result["environment"] = environment(name)
         (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         status |= not result["ok"]
-        shown = {k: v for k, v in result.items() if k not in ("command", "tools")}
+        shown = {k: v for k, v in result.items() if k not in ("command", "tools", "environment")}
         print(f"gpu-test {name}: {json.dumps(shown)}", flush=True)
     doc = summarize(out, results_file)
     print(f"{results_file}: fuzzed {doc['configurations_fuzzed']} ({doc['fuzz_failures']} failed), sanitizer "

@@ -527,33 +527,39 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
+    version = _sanitizer_version(sanitizer)
     for tool in args.tools:
         print(f"{tool}: {len(args.families)} families ...", flush=True)
         result = run_tool(sanitizer, tool, args.families, args.out, args.timeout)
-        results.append(result)
+        result.update(sanitizer=sanitizer, version=version, environment=_environment())
+        (args.out / f"{tool}.json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"{tool}: exit {result['exit']}, {result['errors']} errors, {result['cases']} cases "
               f"({result['cases_failed']} failed), {result['seconds']} s", flush=True)
         for line in result["first_reports"][:5]:
             print(f"    {line}")
-    summary = merge_summary(args.out / "summary.json", results, sanitizer)
+    summary = merge_summary(args.out)
     print(f"sanitizer: {summary['runs']} runs, {summary['errors']} errors, {summary['cases']} cases: "
           f"{'ok' if summary['ok'] else 'FAILED'}")
     return 0 if summary["ok"] else 1
 
 
-def merge_summary(path: Path, results: list, sanitizer: str) -> dict:
-    """``summary.json`` with these tools' results replacing earlier runs of the same tools (the
-    tools can run in separate sessions: ``--tools memcheck racecheck``, then the others)."""
-    earlier = json.loads(path.read_text())["tools"] if path.exists() else []
-    ran = {r["tool"] for r in results}
-    tools = sorted([r for r in earlier if r["tool"] not in ran] + results, key=lambda r: TOOLS.index(r["tool"]))
-    summary = {"schema": "flashkernel-sanitize/1", "sanitizer": sanitizer, "version": _sanitizer_version(sanitizer),
-               "runs": len(tools), "errors": sum(r["errors"] or 0 for r in tools),
-               "cases": sum(r["cases"] for r in tools), "ok": all(r["ok"] for r in tools) and len(tools) == len(TOOLS),
+def merge_summary(out: Path) -> dict:
+    """``out/summary.json`` from every ``out/<tool>.json`` there: the tools can run in separate
+    sessions (``--tools memcheck racecheck``, then the others), their directories copied together."""
+    tools = [json.loads((out / f"{tool}.json").read_text()) for tool in TOOLS if (out / f"{tool}.json").exists()]
+    summary = {"schema": "flashkernel-sanitize/1", "runs": len(tools), "errors": sum(t["errors"] or 0 for t in tools),
+               "cases": sum(t["cases"] for t in tools), "ok": len(tools) == len(TOOLS) and all(t["ok"] for t in tools),
                "tools": tools}
-    path.write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _environment() -> dict:
+    from flashkernel.bench.results import environment
+
+    env = environment([], "cuda" if _torch().cuda.is_available() else "cpu")
+    env["command"] = " ".join(["python", "benchmarks/tools/sanitize.py", *sys.argv[1:]])
+    return env
 
 
 def _sanitizer_version(sanitizer: str) -> str:
