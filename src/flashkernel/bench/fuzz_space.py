@@ -439,6 +439,8 @@ def _dense_values(rng: random.Random, cls: KernelClass, space: Space) -> dict:
             break  # the shortest length of the category
         seqlen_q = shorter
     batch = max(1, min(batch, limit // max(1, cls.heads * seqlen_q * seqlen_k)))
+    rows = max(seqlen_q * cls.heads, seqlen_k * cls.kv_heads) * cls.head_dim  # elements per sequence
+    batch = max(1, min(batch, space.max_cache // max(1, rows)))
     return {"batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
 
 
@@ -452,12 +454,17 @@ def _varlen_values(rng: random.Random, cls: KernelClass, space: Space) -> dict:
         q_len = 0 if rng.random() < 0.1 else draw_length(rng, rng.choice(CATEGORIES), 1, hi)
         lengths_q.append(q_len if rng.random() < 0.6 else min(q_len, k_len))
         lengths_k.append(k_len)
-    # The category of total_q (the LSE's stride) is the class's: pad the last sequence to it.
-    total = sum(lengths_q)
-    lengths_q[-1] += snap(total, cls.cat("total_q"), total, total + 64) - total
+    # Bounded work (scores) and tensors (elements): halve the longest sequences.
     while cls.heads * sum(q * k for q, k in zip(lengths_q, lengths_k)) > space.max_work:
         longest = max(range(count), key=lambda b: lengths_k[b])
         lengths_k[longest] //= 2
+    for lengths, heads in ((lengths_q, cls.heads), (lengths_k, cls.kv_heads)):
+        while sum(lengths) * heads * cls.head_dim > space.max_cache:
+            longest = max(range(count), key=lambda b: lengths[b])
+            lengths[longest] //= 2
+    # The category of total_q (the LSE's stride) is the class's: pad the last sequence to it.
+    total = sum(lengths_q)
+    lengths_q[-1] += snap(total, cls.cat("total_q"), total, total + 64) - total
     extra = rng.choice((0, 0, 0, 1, 37))  # max_seqlen_* may exceed the longest sequence
     return {"lengths_q": lengths_q, "lengths_k": lengths_k, "max_extra": extra,
             "validate": rng.random() < 0.15}
