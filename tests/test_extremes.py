@@ -1,7 +1,7 @@
 """Extreme inputs on every path: logits up to +-1e4, float16 values near overflow, rows that see
 no key, NaN and inf in cache slots past each length and in padding, tiny and huge softmax
 scales, tensors past 2**31 elements. Each is answered like the float64 reference (the fuzzer's
-rule, ``bench/fuzz.py: check_rows``) or refused with a clear error, never with a NaN the
+rule, ``bench/fuzz_checks.py: check_rows``) or refused with a clear error, never with a NaN the
 reference does not have.
 
 A *path* computes ``q [B, Sq, H, D]`` over ``k, v [B, Sk, Hkv, D]`` with the same semantics
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashkernel
-from flashkernel.bench.fuzz import check_rows
+from flashkernel.bench.fuzz_checks import check_rows
 from helpers import DEVICE, ON_GPU
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)

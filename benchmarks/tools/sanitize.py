@@ -80,7 +80,7 @@ def on_cpu(*tensors, **kwargs):
 
 def check_dense(out, lse, q, k, v, **kwargs) -> None:
     """``out``/``lse`` of q, k, v against the float64 reference (the fuzzer's rule)."""
-    from flashkernel.bench.fuzz import check_rows
+    from flashkernel.bench.fuzz_checks import check_rows
 
     (out, lse, q, k, v), kwargs = on_cpu(out, lse, q, k, v, **kwargs)
     outcome = check_rows(out, lse, q, k, v, None, **kwargs)
@@ -90,7 +90,7 @@ def check_dense(out, lse, q, k, v, **kwargs) -> None:
 
 def check_decode(out, lse, q, k_cache, v_cache, seqlens, **kwargs) -> None:
     from flashkernel import reference
-    from flashkernel.bench.fuzz import compare
+    from flashkernel.bench.fuzz_checks import compare
 
     (out, lse, q, k_cache, v_cache, seqlens), kwargs = on_cpu(out, lse, q, k_cache, v_cache, seqlens, **kwargs)
     truth, truth_lse = reference.attention_with_kvcache(q, k_cache, v_cache, seqlens, **kwargs)
@@ -203,12 +203,12 @@ def _hopper(module: str) -> bool:
 
 def varlen_case(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype="bfloat16", causal=True, **variants):
     import flashkernel
-    from flashkernel.bench.fuzz import _cumulative
+    from flashkernel.bench.check import cumulative
 
     torch = _torch()
     q = randn(sum(lengths_q), heads, head_dim, dtype=dtype)
     k, v = (randn(sum(lengths_k), kv_heads, head_dim, dtype=dtype) for _ in range(2))
-    cu_q, cu_k = _cumulative(lengths_q, q.device), _cumulative(lengths_k, q.device)
+    cu_q, cu_k = cumulative(lengths_q, q.device), cumulative(lengths_k, q.device)
     out, lse = flashkernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
                                                   return_lse=True, **variants)
     for b in range(len(lengths_q)):
@@ -383,7 +383,7 @@ def backward():
     import flashkernel
 
     torch = _torch()
-    from flashkernel.bench.fuzz import _cumulative
+    from flashkernel.bench.check import cumulative
 
     def dense(causal, dtype, head_dim, **variants):
         q = randn(2, 70, 4, head_dim, dtype=dtype).requires_grad_()
@@ -397,7 +397,7 @@ def backward():
         lengths = [5, 0, 70, 33]
         q = randn(sum(lengths), 4, 64).requires_grad_()
         k, v = (randn(sum(lengths), 2, 64).requires_grad_() for _ in range(2))
-        cu = _cumulative(lengths, q.device)
+        cu = cumulative(lengths, q.device)
         out = flashkernel.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
         out.backward(torch.randn_like(out))
         if not all(torch.isfinite(x.grad).all() for x in (q, k, v)):

@@ -14,7 +14,7 @@ tuned tables still switch tiles at some lengths) whatever the number of configur
 Everything is a pure function of ``(seed, index)`` and the :class:`Space`: configuration ``i``
 draws its class and its values from ``random.Random(f"{seed}/{i}")``, the classes from
 ``random.Random(f"{seed}/classes")``. Inputs are drawn at run time from a torch generator seeded
-the same way (``fuzz.py``).
+the same way (``fuzz_checks.Inputs``).
 """
 
 from __future__ import annotations
