@@ -3,6 +3,7 @@ results file with their counts.
 
     ./run.sh gpu-test                 # all four parts below, in order
     ./run.sh gpu-test tests           # pytest -n 4 over tests/ (the GPU cases run, the interpreter's skip)
+    ./run.sh gpu-test tests --shard 1/2   # half of the test files (then --shard 2/2)
     ./run.sh gpu-test fuzz            # 10,000 fuzzed configurations (python -m flashkernel.bench.fuzz)
     ./run.sh gpu-test sanitize        # compute-sanitizer memcheck/racecheck/synccheck/initcheck
     ./run.sh gpu-test summary         # merge what the parts wrote into the results file
@@ -54,11 +55,25 @@ def run(cmd: list[str], log: Path, limit: float) -> tuple[object, float]:
     return status, round(time.perf_counter() - start, 1)
 
 
+def test_shard(shard: str) -> list[str]:
+    """The test files of shard ``"i/n"``: files dealt largest first to the lightest shard (bytes
+    as the weight), so ``1/2`` and ``2/2`` each take about half the suite."""
+    index, count = (int(x) for x in shard.split("/"))
+    loads, shards = [0] * count, [[] for _ in range(count)]
+    for path in sorted((ROOT / "tests").glob("test_*.py"), key=lambda p: (-p.stat().st_size, p.name)):
+        lightest = loads.index(min(loads))
+        shards[lightest].append(str(path.relative_to(ROOT)))
+        loads[lightest] += path.stat().st_size
+    return sorted(shards[index - 1])
+
+
 def part_tests(args, out: Path) -> dict:
-    junit = out / "gpu-tests.xml"
+    tag = args.shard.replace("/", "of")
+    junit = out / f"gpu-tests-{tag}.xml"
+    targets = args.pytest_args or test_shard(args.shard)
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", str(args.test_workers), "-p", "no:cacheprovider",
-           f"--junitxml={junit}", *args.pytest_args]
-    status, seconds = run(cmd, out / "gpu-tests.log", args.limit)
+           f"--junitxml={junit}", *targets]
+    status, seconds = run(cmd, out / f"gpu-tests-{tag}.log", args.limit)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     if junit.exists():
         for suite in ElementTree.parse(junit).getroot().iter("testsuite"):
@@ -126,10 +141,15 @@ def environment(part: str) -> dict:
 def summarize(out: Path, results_file: Path) -> dict:
     """Merge each part's JSON (written by the latest run of that part) into ``results_file``."""
     parts = {}
-    for name in PARTS:
+    for name in ("fuzz", "sanitize"):
         path = out / f"{name}.json"
         if path.exists():
             parts[name] = json.loads(path.read_text())
+    shards = [json.loads(p.read_text()) for p in sorted(out.glob("tests-*.json"))]
+    if shards:  # the suite, possibly in shards run in separate sessions
+        parts["tests"] = {key: sum(s[key] for s in shards) for key in ("passed", "failed", "errors", "skipped",
+                                                                        "seconds")}
+        parts["tests"].update(ok=all(s["ok"] for s in shards), shards=shards, environment=shards[0]["environment"])
     if (out / "sanitizer").is_dir():  # counted from every tool's own file, whichever session ran it
         parts.setdefault("sanitize", {}).update(sanitizer_counts(out))
     fuzz, sanitize, tests = parts.get("fuzz", {}), parts.get("sanitize", {}), parts.get("tests", {})
@@ -163,8 +183,9 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=float, default=570.0, help="seconds per part")
     parser.add_argument("--tools", nargs="+", default=["memcheck", "racecheck", "synccheck", "initcheck"],
                         help="the sanitizer part's tools (the others keep their last results)")
-    parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=["tests"],
-                        help="what pytest runs (default: tests); must come last")
+    parser.add_argument("--shard", default="1/1", help="tests part: run shard I/N of the test files (e.g. 1/2)")
+    parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
+                        help="what pytest runs instead of the shard's files; must come last")
     args = parser.parse_args(argv)
     parts = list(PARTS) if "all" in args.parts else [p for p in PARTS if p in args.parts]
     out = args.out or ROOT / "benchmarks" / "results" / gpu_slug() / "reliability"
@@ -175,7 +196,8 @@ def main(argv=None) -> int:
         print(f"gpu-test {name} ...", flush=True)
         result = RUNNERS[name](args, out)
         result["environment"] = environment(name)
-        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        filename = f"tests-{args.shard.replace('/', 'of')}.json" if name == "tests" else f"{name}.json"
+        (out / filename).write_text(json.dumps(result, indent=1) + "\n")
         status |= not result["ok"]
         shown = {k: v for k, v in result.items() if k not in ("command", "tools", "environment")}
         print(f"gpu-test {name}: {json.dumps(shown)}", flush=True)
