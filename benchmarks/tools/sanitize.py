@@ -6,8 +6,9 @@
     PYTHONPATH=src python benchmarks/tools/sanitize.py --list
 
 Each tool runs once, over one Python that runs every family's cases (so the CUDA context, the
-torch import and Triton's compile cache are paid once per tool, not per family); a family's
-cases start with a ``== family`` line on stdout, and every sanitizer report names its kernel.
+torch import and Triton's compile cache are paid once per tool, not per family), and the tools
+run side by side (``--serial``: one after another); a family's cases start with a ``== family``
+line on stdout, and every sanitizer report names its kernel.
 Writes ``DIR/<tool>.log`` (the sanitizer's report), ``DIR/<tool>.out`` (the workload's output)
 and ``DIR/summary.json`` (per tool: exit status, errors, seconds, the first reports). Exit status
 1 when a tool reports an error or a workload fails.
@@ -480,27 +481,38 @@ def parse_report(text: str) -> dict:
     return {"errors": errors, "warnings": warnings, "first_reports": reports}
 
 
-def run_tool(sanitizer: str, tool: str, families, out_dir: Path, timeout: float) -> dict:
-    env = dict(os.environ)
-    if tool in NO_CACHING:
-        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-    log, output = out_dir / f"{tool}.log", out_dir / f"{tool}.out"
-    cmd = [sanitizer, "--tool", tool, "--log-file", str(log), "--print-limit", "200", "--error-exitcode", "3",
-           *TOOL_OPTIONS.get(tool, []), sys.executable, os.path.abspath(__file__), "--run", *families]
-    start = time.perf_counter()
-    with open(output, "w") as stdout:
+class ToolRun:
+    """One tool's sanitized run of the workload, started at once (the tools can run side by
+    side: each is its own process and CUDA context); :meth:`result` waits for it."""
+
+    def __init__(self, sanitizer: str, tool: str, families, out_dir: Path):
+        env = dict(os.environ)
+        if tool in NO_CACHING:
+            env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+        self.tool, self.families = tool, list(families)
+        self.log, self.output = out_dir / f"{tool}.log", out_dir / f"{tool}.out"
+        self.cmd = [sanitizer, "--tool", tool, "--log-file", str(self.log), "--print-limit", "200",
+                    "--error-exitcode", "3", *TOOL_OPTIONS.get(tool, []), sys.executable, os.path.abspath(__file__),
+                    "--run", *families]
+        self.start = time.perf_counter()
+        with open(self.output, "w") as stdout:
+            self.proc = subprocess.Popen(self.cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT)
+
+    def result(self, deadline: float) -> dict:
         try:
-            code = subprocess.run(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = self.proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
         except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
             code = "timeout"
-    result = {"tool": tool, "families": list(families), "exit": code, "seconds": round(time.perf_counter() - start, 1),
-              "command": " ".join(cmd)}
-    result.update(parse_report(log.read_text(errors="replace") if log.exists() else ""))
-    text = output.read_text(errors="replace")
-    result["cases"] = len(re.findall(r"^  (ok|FAIL) ", text, re.M))
-    result["cases_failed"] = len(re.findall(r"^  FAIL ", text, re.M))
-    result["ok"] = code == 0 and result["errors"] == 0 and result["cases_failed"] == 0
-    return result
+        result = {"tool": self.tool, "families": self.families, "exit": code,
+                  "seconds": round(time.perf_counter() - self.start, 1), "command": " ".join(self.cmd)}
+        result.update(parse_report(self.log.read_text(errors="replace") if self.log.exists() else ""))
+        text = self.output.read_text(errors="replace")
+        result["cases"] = len(re.findall(r"^  (ok|FAIL) ", text, re.M))
+        result["cases_failed"] = len(re.findall(r"^  FAIL ", text, re.M))
+        result["ok"] = code == 0 and result["errors"] == 0 and result["cases_failed"] == 0
+        return result
 
 
 def main(argv=None) -> int:
@@ -509,7 +521,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--sanitizer", help="path of compute-sanitizer")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per tool")
+    parser.add_argument("--timeout", type=float, default=540.0,
+                        help="seconds the tools may take (each, with --serial)")
+    parser.add_argument("--serial", action="store_true", help="one tool at a time (default: all at once)")
     parser.add_argument("--run", nargs="+", metavar="FAMILY", help="run the workload of these families ('all')")
     parser.add_argument("--list", action="store_true", help="list the families and their cases")
     args = parser.parse_args(argv)
@@ -528,12 +542,18 @@ def main(argv=None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     version = _sanitizer_version(sanitizer)
+    runs = []
     for tool in args.tools:
+        if args.serial and runs:
+            runs[-1] = runs[-1].result(time.perf_counter() + args.timeout)
         print(f"{tool}: {len(args.families)} families ...", flush=True)
-        result = run_tool(sanitizer, tool, args.families, args.out, args.timeout)
+        runs.append(ToolRun(sanitizer, tool, args.families, args.out))
+    deadline = time.perf_counter() + args.timeout
+    for run in runs:
+        result = run if isinstance(run, dict) else run.result(deadline)
         result.update(sanitizer=sanitizer, version=version, environment=_environment())
-        (args.out / f"{tool}.json").write_text(json.dumps(result, indent=1) + "\n")
-        print(f"{tool}: exit {result['exit']}, {result['errors']} errors, {result['cases']} cases "
+        (args.out / f"{result['tool']}.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(f"{result['tool']}: exit {result['exit']}, {result['errors']} errors, {result['cases']} cases "
               f"({result['cases_failed']} failed), {result['seconds']} s", flush=True)
         for line in result["first_reports"][:5]:
             print(f"    {line}")
