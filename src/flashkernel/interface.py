@@ -479,10 +479,11 @@ def flash_attn_with_kvcache(
         ``return_lse=True`` also ``lse [batch, num_heads, seqlen_q]`` float32, natural log.
 
     No host synchronisation and, once warm, no new device memory: the float32 split workspace
-    is cached per device and size bucket (``kernels/decode.workspace``). Run a step eagerly once
-    (same shapes) before capturing it in a CUDA graph; replays then match eager calls. Results
-    are deterministic for fixed inputs and ``num_splits``. Decode calls on one device share the
-    workspace, so do not run them concurrently on different streams.
+    comes from PyTorch's caching allocator, and a repeated call keeps its own per stream
+    (``kernels/_launch.Replay``). Run a step eagerly once (same shapes) before capturing it in a
+    CUDA graph; replays then match eager calls. Results are deterministic for fixed inputs and
+    ``num_splits``. Calls may run at once from several threads and streams (calls sharing a
+    stream issue their launches one call at a time).
 
     Example (a paged cache of 16-token pages; one decode step)::
 
