@@ -5,6 +5,7 @@
 #   ./run.sh info                 versions, the device, its measured ceilings
 #   ./run.sh bench ...            benchmarks (GPU; see README); likewise profile, plot, report, merge
 #   ./run.sh python [args]        the Python it uses, with flashkernel importable
+#   ./run.sh gpu-test [parts]     GPU reliability suite: tests, fuzzer, sanitizers (benchmarks/tools/gpu_test.py)
 # With a CUDA build of torch already present (the GPU machines), it uses that Python as is.
 # Otherwise it makes .venv with the CPU build of torch and Triton's interpreter, and installs
 # flashkernel there (editable, with the [test] extra) once: again only when pyproject.toml
@@ -37,7 +38,8 @@ shift || true
 case "$job" in
     test)   exec "$PY" -m pytest -q -n 2 -p no:cacheprovider "$@" ;;
     python) exec "$PY" "$@" ;;
+    gpu-test) exec "$PY" benchmarks/tools/gpu_test.py "$@" ;;
     info|check|bench|profile|plot|report|merge) exec "$PY" -m flashkernel.cli "$job" "$@" ;;
-    *) echo "usage: ./run.sh check | test [pytest args] | info | bench | profile | plot | report | merge [args] | python [args]" >&2
+    *) echo "usage: ./run.sh check | test [pytest args] | info | bench | profile | plot | report | merge [args] | python [args] | gpu-test [tests|fuzz|sanitize|summary]" >&2
        exit 2 ;;
 esac

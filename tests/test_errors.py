@@ -122,6 +122,13 @@ def test_bad_softmax_scale_value(func, scale):
 
 
 @pytest.mark.parametrize("func", FUNCS)
+def test_softmax_scale_that_overflows_float32_scores(func):
+    """A scale of 1e38 made every output NaN (its float32 product with log2(e) is inf)."""
+    q, k, v = qkv()
+    raises(ValueError, "softmax_scale is 1e\\+38; it must be at most 1e\\+20", func, q, k, v, softmax_scale=1e38)
+
+
+@pytest.mark.parametrize("func", FUNCS)
 def test_bad_softmax_scale_type(func):
     q, k, v = qkv()
     raises(TypeError, "softmax_scale must be a real number or None, got str '0.1'", func, q, k, v, softmax_scale="0.1")

@@ -141,3 +141,19 @@ def test_varlen_reference_is_attention_per_sequence():
     torch.testing.assert_close(out[:3], expected[0])
     torch.testing.assert_close(lse[:, :3], expected_lse[0])
     assert torch.equal(out[3:], torch.zeros_like(out[3:])) and torch.isneginf(lse[:, 3:]).all()  # no keys
+
+
+def test_rows_are_the_full_computations_rows():
+    """``rows=`` computes those query rows exactly as the full call does (their positions are
+    the full ``Sq``'s), for every mask, ALiBi and sinks."""
+    q = torch.randn(2, 9, 4, 8, dtype=torch.float64)
+    k = torch.randn(2, 13, 2, 8, dtype=torch.float64)
+    v = torch.randn(2, 13, 2, 8, dtype=torch.float64)
+    rows = [0, 3, 4, 8]
+    cases = [dict(causal=True), dict(window_size=(2, 1)), dict(causal=True, window_size=(3, -1), softcap=2.0),
+             dict(alibi_slopes=torch.rand(2, 4, dtype=torch.float64), sinks=torch.randn(4, dtype=torch.float64))]
+    for kwargs in cases:
+        full_out, full_lse = reference.attention(q, k, v, **kwargs)
+        out, lse = reference.attention(q, k, v, rows=rows, **kwargs)
+        torch.testing.assert_close(out, full_out[:, rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, full_lse[:, :, rows], rtol=1e-12, atol=1e-12)

@@ -13,6 +13,10 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# Scores are float32: softmax_scale * log2(e) * q.k must stay finite. At head dim 256, float16
+# inputs reach |q.k| = 256 * 65504^2 = 1.1e12, so scales up to 1e20 never overflow them (at 1e38
+# the folded scale itself is inf in float32 and every output NaN).
+MAX_SOFTMAX_SCALE = 1e20
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -110,6 +114,11 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
         raise ValueError(
             f"softmax_scale must be finite and positive, got {softmax_scale!r} "
             "(None picks 1/sqrt(head_dim))"
+        )
+    if value > MAX_SOFTMAX_SCALE:
+        raise ValueError(
+            f"softmax_scale is {softmax_scale!r}; it must be at most {MAX_SOFTMAX_SCALE:g}: the scaled scores "
+            "are float32, and larger scales overflow them"
         )
     return value
 

@@ -186,7 +186,8 @@ def flash_attn_func(
             that joins the softmax denominator with no value vector (gpt-oss): ``out = sum_j
             e^(s_j) v_j / (e^sink + sum_j e^(s_j))``. The returned LSE includes it; a row that
             sees no key returns 0 with LSE = sink. The sink is compared with the final scores as
-            is (not scaled or capped).
+            is (not scaled or capped). Each sink is a finite logit or -inf (no sink); +inf or NaN
+            sinks are not checked (that would read the tensor) and give NaN.
         return_lse: also return the log-sum-exp of each row.
         backend: ``"auto"`` (default), ``"triton"`` or ``"gluon"``: which kernel runs the call
             (``kernels/dispatch.py``). ``"auto"`` takes the Gluon kernel on Hopper for plain
@@ -509,10 +510,12 @@ def flash_attn_with_kvcache(
         ``return_lse=True`` also ``lse [batch, num_heads, seqlen_q]`` float32, natural log.
 
     No host synchronisation: a step can be captured in a CUDA graph (run it eagerly once with the
-    same shapes first, so its kernels are compiled before capture). The float32 split-KV partials
-    are taken per call from PyTorch's caching allocator (no new device memory once warm; eager
-    repeats reuse them per stream), so calls on different streams never share them. Results are
-    deterministic for fixed inputs and ``num_splits``.
+    same shapes first, so its kernels are compiled before capture; replays then match eager
+    calls). The float32 split-KV partials are taken per call from PyTorch's caching allocator (no
+    new device memory once warm; a repeated eager call keeps its own per stream,
+    ``kernels/_launch.Replay``). Results are deterministic for fixed inputs and ``num_splits``.
+    Calls may run at once from several threads and streams (calls sharing a stream issue their
+    launches one call at a time).
 
     Example (a paged cache of 16-token pages; one decode step)::
 

@@ -122,12 +122,24 @@ def window_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal: bool
     with ``(left, right) = window_size``, -1 meaning unbounded; ``causal`` sets ``right = 0``.
     ``window_mask(Sq, Sk, (-1, 0))`` equals ``causal_mask(Sq, Sk)``. Examples: module docstring.
     """
+    return _visible(_positions(seqlen_q, seqlen_k, None, device), seqlen_k, window_size, causal)
+
+
+def _positions(seqlen_q: int, seqlen_k: int, rows, device) -> torch.Tensor:
+    """Positions ``i + Sk - Sq`` of the query rows ``rows`` (all rows when None), as ``[rows, 1]``."""
+    position = torch.arange(seqlen_q, device=device) + (seqlen_k - seqlen_q)
+    if rows is not None:
+        position = position[torch.as_tensor(rows, device=device)]
+    return position[:, None]
+
+
+def _visible(position: torch.Tensor, seqlen_k: int, window_size, causal: bool) -> torch.Tensor:
+    """Visible keys ``[rows, Sk]`` of rows at ``position [rows, 1]`` (see :func:`window_mask`)."""
     left, right = window_size
     if causal:
         right = 0
-    position = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    j = torch.arange(seqlen_k, device=position.device)[None, :]
+    visible = torch.ones(position.shape[0], seqlen_k, dtype=torch.bool, device=position.device)
     if left >= 0:
         visible &= j >= position - left
     if right >= 0:
@@ -138,9 +150,13 @@ def window_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal: bool
 def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
     """ALiBi bias ``-slope * |i + Sk - Sq - j|``: slopes ``[H]`` -> ``[H, Sq, Sk]`` (or ``[B, H]``
     -> ``[B, H, Sq, Sk]``), in the slopes' dtype."""
-    position = torch.arange(seqlen_q, device=slopes.device)[:, None] + (seqlen_k - seqlen_q)
+    return _alibi(slopes, _positions(seqlen_q, seqlen_k, None, slopes.device), seqlen_k)
+
+
+def _alibi(slopes: torch.Tensor, position: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """:func:`alibi_bias` for rows at ``position [rows, 1]``: ``[(B,) H, rows, Sk]``."""
     j = torch.arange(seqlen_k, device=slopes.device)[None, :]
-    distance = (position - j).abs().to(slopes.dtype)
+    distance = (position.to(slopes.device) - j).abs().to(slopes.dtype)
     return -slopes[..., None, None] * distance
 
 
@@ -162,6 +178,7 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     upcast: bool = True,
+    rows=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention.
 
@@ -177,16 +194,24 @@ def attention(
             softmax (and the score modifiers) in float32, probabilities rounded back to the
             input dtype before P @ V. Tests use it to measure how far PyTorch itself lands
             from the truth.
+        rows: indices of the query rows to compute (default: all). The result holds those
+            rows only, each exactly as the full computation has it (masks and ALiBi keep the
+            positions ``i + Sk - Sq`` of the full ``Sq``): long sequences are checked on a
+            sample of rows at the cost of the sample.
 
     Returns:
         ``out [B, Sq, Hq, D]`` (float64 if upcast, else the input dtype) and
-        ``lse [B, Hq, Sq]`` (float64 if upcast, else float32).
+        ``lse [B, Hq, Sq]`` (float64 if upcast, else float32); ``Sq`` is ``len(rows)`` with
+        ``rows``.
     """
     dtype = torch.float64 if upcast else q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     num_q_heads = q.shape[2]
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    qh = q.to(dtype).transpose(1, 2)  # [B, Hq, Sq, D]
+    position = _positions(seqlen_q, seqlen_k, rows, q.device)
+    if rows is not None:
+        q = q[:, torch.as_tensor(rows, device=q.device)]
+    qh = q.to(dtype).transpose(1, 2)  # [B, Hq, rows, D]
     kh = expand_kv_heads(k.to(dtype), num_q_heads).transpose(1, 2)  # [B, Hq, Sk, D]
     vh = expand_kv_heads(v.to(dtype), num_q_heads).transpose(1, 2)
 
@@ -196,11 +221,9 @@ def attention(
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     if alibi_slopes is not None:
-        bias = alibi_bias(alibi_slopes.to(stats_dtype), seqlen_q, seqlen_k)  # [(B,) Hq, Sq, Sk]
-        scores = scores + bias
+        scores = scores + _alibi(alibi_slopes.to(stats_dtype), position, seqlen_k)  # [(B,) Hq, Sq, Sk]
     if causal or tuple(window_size) != (-1, -1):
-        visible = window_mask(seqlen_q, seqlen_k, window_size, causal, device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(~_visible(position, seqlen_k, window_size, causal), float("-inf"))
 
     logits = scores
     if sinks is None and seqlen_k == 0:  # no logit at all: output 0, lse -inf

@@ -59,9 +59,21 @@ class Accuracy:
         return 0.0 if self.max_err == 0 else float("inf")
 
 
-def error_bound(torch_err: float, truth_abs_max: float, dtype: torch.dtype) -> float:
-    """Largest max error allowed (see the module docstring)."""
-    return TRUTH_FACTOR * torch_err + torch.finfo(dtype).eps * max(1.0, truth_abs_max)
+def error_bound(torch_err: float, truth_abs_max: float, dtype: torch.dtype, logit_bound: float | None = None) -> float:
+    """Largest max error allowed (see the module docstring).
+
+    With ``logit_bound`` (a bound on ``softmax_scale * |q| |k|`` over the rows and keys compared)
+    the bound also allows for the float32 rounding of the scores, ``eps32 * logit_bound``: the
+    absolute error of a float32 ``q.k`` grows with ``|q| |k|`` even where the score is small (it
+    cancels, or a softcap bends it), and scaled scores are rounded at their own magnitude. No
+    float32 softmax avoids it, but PyTorch's error on a few rows may happen not to show it (at a
+    power-of-two scale PyTorch rounds each score once, the kernels twice: the scale is folded
+    with ``log2(e)``). It matters for float32 and for large logits.
+    """
+    bound = TRUTH_FACTOR * torch_err + torch.finfo(dtype).eps * max(1.0, truth_abs_max)
+    if logit_bound is not None:
+        bound += torch.finfo(torch.float32).eps * max(1.0, logit_bound) * max(1.0, truth_abs_max)
+    return bound
 
 
 def row_windows(batch: int, seqlen_q: int, window: int | None) -> list[Window]:

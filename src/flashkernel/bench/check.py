@@ -365,7 +365,7 @@ def check_dense(function: str, case: DenseCase, device: str) -> CheckRow:
 # --- flash_attn_varlen_func --------------------------------------------------------------------
 
 
-def _cumulative(lengths: tuple, device: str) -> torch.Tensor:
+def cumulative(lengths, device) -> torch.Tensor:
     """int32 ``[len(lengths) + 1]``: 0, then the running sums."""
     return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
@@ -378,7 +378,7 @@ def check_varlen(case: VarlenCase, device: str) -> CheckRow:
     q = torch.randn(sum(case.seqlens_q), case.heads, case.head_dim, dtype=dtype, device=device)
     k = torch.randn(sum(case.seqlens_k), case.kv_heads, case.head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
-    cu_q, cu_k = _cumulative(case.seqlens_q, device), _cumulative(case.seqlens_k, device)
+    cu_q, cu_k = cumulative(case.seqlens_q, device), cumulative(case.seqlens_k, device)
     common = dict(causal=case.causal, **variant_kwargs(case.variant, case.heads, device))
     out, lse = flashkernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(case.seqlens_q), max(case.seqlens_k),
                                                   return_lse=True, **common)
@@ -581,7 +581,7 @@ def check_varlen_plan(case: VarlenCase, device: str, layers: int = 3) -> CheckRo
     import flashkernel
 
     dtype = getattr(torch, case.dtype)
-    cu_q, cu_k = _cumulative(case.seqlens_q, device), _cumulative(case.seqlens_k, device)
+    cu_q, cu_k = cumulative(case.seqlens_q, device), cumulative(case.seqlens_k, device)
     maxima = (max(case.seqlens_q), max(case.seqlens_k))
 
     def layer():

@@ -224,8 +224,9 @@ class Replay:
         self.allocations = tuple((tuple(t.shape), t.dtype, t.device) for t in rec.allocations)
         self.num_inputs = len(inputs)
         # Temporaries (allocations that are not outputs, e.g. split-KV partials): reusable per
-        # stream by eager callers (``run(..., reuse_scratch=True)``).
+        # stream by eager callers (``run(..., reuse_scratch=True)``), one run at a time.
         self._scratch_by_stream: dict[int, list] = {}
+        self._scratch_lock = threading.Lock()
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
         self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
         self.everything = inputs + tuple(rec.allocations)
@@ -280,7 +281,8 @@ class Replay:
 
         ``reuse_scratch``: keep the temporaries per stream and reuse them in the next run on that
         stream, instead of allocating them per run. Safe for eager calls: the kernels of one
-        stream run in order, so a run's temporaries are free once its last kernel has read them.
+        stream run in order, so a run's temporaries are free once its last kernel has read them
+        (runs from several threads are issued one after another).
         Not for CUDA-graph capture (checked here) or graph-pool allocation (the caller's to know:
         ``torch.compile``'s CUDA graphs want no buffer of theirs kept alive).
         """
@@ -304,6 +306,16 @@ class Replay:
         return allocated
 
     def _run(self, inputs, reuse_scratch: bool):
+        if reuse_scratch and self.scratch:
+            # Threads launching on one stream share its temporaries, so one run's launches are all
+            # issued before another run's begin: else a second run's split kernel could overwrite
+            # partials the first run's merge has yet to read (Triton's launcher releases the GIL
+            # while it launches; the C launcher's one call does not).
+            with self._scratch_lock:
+                return self._launch(inputs, reuse_scratch)
+        return self._launch(inputs, reuse_scratch)
+
+    def _launch(self, inputs, reuse_scratch: bool):
         stream = _raw_stream(self.device)
         allocated = self._allocate(stream, reuse_scratch)
         addresses = [None if x is None else x.data_ptr() for x in inputs]

@@ -338,7 +338,7 @@ def _dkdv_step(
     if HAS_SOFTCAP or HAS_ALIBI:
         # |pos - j| is symmetric, so the [rows, keys] helper serves the transposed tile.
         s_t = modified_scores(qk_t, keys, row_pos, qk_scale, softcap_in, softcap_out, alibi_keys,
-                              HAS_SOFTCAP, HAS_ALIBI)
+                              HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     else:
         s_t = qk_t * qk_scale
     p_t = tl.math.exp2(s_t - lse[None, :])
@@ -467,7 +467,7 @@ def _dq_step(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, keys]
     if HAS_SOFTCAP or HAS_ALIBI:
         s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
-                            HAS_SOFTCAP, HAS_ALIBI)
+                            HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     else:
         s = qk * qk_scale
     p = tl.math.exp2(s - lse[:, None])
