@@ -422,9 +422,9 @@ def table(rows: list[dict], markdown: bool = False) -> str:
         if r.get("status") == "error":
             timed_rows.append([r["model"], r["section"], "error", "", "", r["message"][:80]])
         elif r["section"] == "accuracy" and "identical_tokens" in r:
-            accuracy.append([r["model"], r["case"], r["provider"], f"gap {r['max_tie_gap']:.3g}",
-                             f"noise {r['noise']:.3g}",
-                             f"{r['identical_tokens']} identical (fp32: {r['fp32_identical_tokens']})"])
+            accuracy.append([r["model"], r["case"], r["provider"], f"gap {r.get('max_tie_gap', float('nan')):.3g}",
+                             f"noise {r.get('noise', float('nan')):.3g}",
+                             f"{r['identical_tokens']} identical (fp32: {r.get('fp32_identical_tokens', '-')})"])
         elif r["section"] == "accuracy":
             accuracy.append([r["model"], r["case"], r["provider"], f"{r['max_abs_vs_fp32']:.3g}",
                              f"{r['max_abs_vs_baseline']:.3g}", f"{r['top1_vs_baseline']:.4f}"])
