@@ -47,7 +47,7 @@ def static_scale(x: torch.Tensor, granularity: str, fmt, headroom: float = 0.8) 
     largest = x.float().abs().amax(dim=(0, 1, 3))
     if granularity == "tensor":
         largest = largest.amax().reshape(1)
-    return largest / reference.QUANT_MAX[fmt] * headroom
+    return (largest.double() / reference.QUANT_MAX[fmt] * headroom).float()  # exactly, as quantize_kv does
 
 
 def quantize(x: torch.Tensor, granularity: str, fmt):

@@ -543,7 +543,9 @@ def _round_to_e4m3(y):
     step = ((binade + 124) << 23).to(tl.float32, bitcast=True)  # 2 ** (binade - 3)
     inverse = ((130 - binade) << 23).to(tl.float32, bitcast=True)  # 2 ** (3 - binade)
     r = _round_half_even(a * inverse) * step
-    return tl.where(y < 0, -r, r)
+    # The sign by a product, not ``-r``: negation compiles to ``0 - r``, which makes -0.0 +0.0
+    # (the conversion keeps the sign of a value that rounds to zero).
+    return r * tl.where(y < 0, -1.0, 1.0)
 
 
 @triton.jit
