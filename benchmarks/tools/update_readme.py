@@ -112,8 +112,9 @@ def e2e_table(results: Path) -> str:
 
     doc = json.loads((results / "e2e.json").read_text())
     env = doc["environment"]
-    return (f"`{env['command']}` (commit {env['git_commit'][:7]}, torch {env['torch']}, "
-            f"{env['timestamp']})\n\n{e2e.table(doc['rows'], markdown=True)}")
+    runs = env.get("runs") or [{"commit": env["git_commit"][:7], "command": env["command"], "rows": "all rows"}]
+    made = "; ".join(f"{run['rows']}: `{run['command']}` at {run['commit']}" for run in runs)
+    return f"{made} (torch {env['torch']}, {env['timestamp'][:10]})\n\n{e2e.table(doc['rows'], markdown=True)}"
 
 
 KVQUANT_COLUMNS = (("bf16", None), ("fp8", "tensor"), ("fp8", "token"), ("int8", "tensor"), ("int8", "token"))
