@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, ops
+from . import _checks, ops, reference
 from .kernels import decode, dispatch, naive
 from .kernels._launch import CallCache, allocate, layouts
 
@@ -555,13 +555,11 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_lse else out
 
 
-# The largest magnitude each quantized format stores (``reference.QUANT_MAX``).
-QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 AMAX_CHUNK_ELEMENTS = 2**26  # |x| is taken a chunk at a time: no cache-sized temporary
 
 
 def _static_scale(x: torch.Tensor, granularity: str, dtype: torch.dtype) -> torch.Tensor:
-    """``max |x| / QUANT_MAX`` over the whole cache ``[N, S, Hkv, D]`` (``[1]``) or per KV head
+    """``max |x| / reference.QUANT_MAX`` over the whole cache ``[N, S, Hkv, D]`` (``[1]``) or per KV head
     (``[Hkv]``), float32 on x's device (no host sync); 1 where the cache is all zeros."""
     if x.numel() == 0:
         return torch.ones(1 if granularity == "tensor" else x.shape[2], dtype=torch.float32, device=x.device)
@@ -570,7 +568,7 @@ def _static_scale(x: torch.Tensor, granularity: str, dtype: torch.dtype) -> torc
     largest = torch.stack(parts).amax(dim=0).float()
     if granularity == "tensor":
         largest = largest.amax().reshape(1)
-    scale = (largest.double() / QUANT_MAX[dtype]).float()  # correctly rounded (CUDA's x / 448 is x * (1 / 448))
+    scale = (largest.double() / reference.QUANT_MAX[dtype]).float()  # correctly rounded (CUDA's x / 448 is x * (1 / 448))
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 

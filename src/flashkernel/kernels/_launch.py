@@ -62,6 +62,11 @@ def _non_int_key(value):
     return type(value), value  # floats, bools, None, strings, tuples: 1.0, True and 1 stay apart
 
 
+def value_key(value):
+    """The key of a constexpr argument: an integer by value, anything else by :func:`_non_int_key`."""
+    return value if type(value) is int else _non_int_key(value)
+
+
 def launch_key(values) -> tuple:
     """The cache key of argument values all keyed as constexprs are (integers by value)."""
     return tuple([v if type(v) is int else _non_int_key(v) for v in values])
@@ -84,13 +89,12 @@ def runtime_key(value):
 
 def parameter_keys(kernel) -> tuple:
     """For each parameter of a Triton kernel, the function that keys its argument:
-    constexprs by value (:func:`launch_key`'s rule), the rest by :func:`runtime_key`. A kernel
+    constexprs by :func:`value_key`, the rest by :func:`runtime_key`. A kernel
     object without parameter metadata keys every argument by value."""
     params = getattr(kernel, "params", None)
     if not params:
         return ()
-    by_value = lambda v: v if type(v) is int else _non_int_key(v)  # noqa: E731
-    return tuple(by_value if p.is_constexpr else runtime_key for p in params)
+    return tuple(value_key if p.is_constexpr else runtime_key for p in params)
 
 
 # ---- recording --------------------------------------------------------------------------------
