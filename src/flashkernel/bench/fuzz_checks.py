@@ -6,7 +6,7 @@ comparison (:func:`check_rows`, :func:`compare`).
 The rule: an output passes when it has no NaN and its max error against float64 truth is at most
 ``accuracy.error_bound`` (2x PyTorch's own error in the same dtype, plus one epsilon of the
 largest output, plus the float32 rounding of the scores), and its mean error likewise (as the
-test suite checks it); an LSE when its ``-inf`` rows are the reference's and the others are
+test suite checks it) over at least ``MEAN_CHECK_MIN_ROWS`` rows; an LSE when its ``-inf`` rows are the reference's and the others are
 within 5e-5 relative. Long sequences are checked on a sample of query rows
 (``reference.attention(rows=...)``: each sampled row against every key).
 """
@@ -27,6 +27,11 @@ from .fuzz_space import Config
 LSE_RELATIVE_TOL = 5e-5
 FULL_CHECK_SCORES = 2**22  # below this many scores (B x H x Sq x Sk) every query row is checked
 SAMPLED_ROWS = 24  # query rows checked per sequence above it (plus the first, last and tile edges)
+# The mean error is checked over at least this many (row, head) outputs. One row's D outputs share
+# its softmax weights' error, so on a row or two the mean is that row's error (bounded by the max
+# check) and 2x PyTorch's mean there is chance: a float32 packed sequence of one query row failed it
+# at 4.7e-7 against 4.3e-7 (PyTorch's own error on that row was 10x below its typical one).
+MEAN_CHECK_MIN_ROWS = 8
 MAX_INPUT_STD = 1e4  # inputs stay far inside float16's range whatever the requested logits
 
 
@@ -203,7 +208,7 @@ def compare(out, lse, truth, truth_lse, torch_out, dtype, logits: float | None =
                      f"{worst}: {int((err > outcome.bound).sum())} elements over")
     floor = outcome.bound - accuracy.TRUTH_FACTOR * outcome.torch_err
     mean_bound = accuracy.TRUTH_FACTOR * torch_err.mean().item() + floor / 8
-    if not err.mean().item() <= mean_bound:
+    if out.numel() // out.shape[-1] >= MEAN_CHECK_MIN_ROWS and not err.mean().item() <= mean_bound:
         outcome.fail(f"mean error {err.mean().item():.3e} > {mean_bound:.3e}")
     if lse is not None:
         _compare_lse(outcome, lse, truth_lse)

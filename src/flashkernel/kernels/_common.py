@@ -29,6 +29,28 @@ def dot_flags(dtype: torch.dtype, interpreted: bool) -> dict:
     }
 
 
+# Scales above this compile the softmax kernels without FMA contraction (:func:`exponent_options`).
+EXACT_EXPONENT_SCALE = 1.0
+_NO_FP_FUSION = {"enable_fp_fusion": False}
+
+
+def exponent_options(softmax_scale: float) -> dict:
+    """Compile options of a kernel whose online softmax runs at ``softmax_scale``.
+
+    The kernels take ``p = exp2(qk * scale - m)`` with ``m`` the rounded row max of ``qk * scale``
+    (log2 units). The compiler contracts the exponent into one FMA, whose unrounded product can
+    exceed ``m`` by half an ulp of the score: at most 4 while scaled scores stay below ``2**27``,
+    which any ``|scale * q.k| < 9e7`` gives. Past ``2**31`` that half ulp overflows ``exp2`` (a
+    NaN row), past ``2**32`` it underflows the row's largest term (a zero sum, LSE -inf). So a
+    scale above :data:`EXACT_EXPONENT_SCALE` (1: every usual scale is at most that) compiles the
+    kernel without contraction, where the exponent subtracts the very rounded product the max was
+    taken of (exactly 0 at the max) for one more instruction per score. A scale of at most 1
+    keeps the fused exponent: its contract is ``|scale * q.k| < 9e7`` (logits of 1e4 are far
+    inside).
+    """
+    return _NO_FP_FUSION if softmax_scale > EXACT_EXPONENT_SCALE else {}
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host integers (``triton.cdiv`` costs ~1 us per host call: it goes
     through Triton's constexpr-function wrapper, and decode calls it on every step)."""

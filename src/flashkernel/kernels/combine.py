@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2, padded_head_dim
+from ._common import exponent_options, next_power_of_2, padded_head_dim
 from ._launch import Launcher
 
 LOG2E = math.log2(math.e)
@@ -99,6 +99,8 @@ def combine(
     lse_parts: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor | None = None,
+    *,
+    softmax_scale: float = 1.0,
 ) -> None:
     """Merge ``P`` partial results into ``out`` (and ``lse``), exactly, by log-sum-exp.
 
@@ -108,6 +110,8 @@ def combine(
         lse_parts: ``[P, B, H, T]`` float32 natural-log log-sum-exp of each part.
         out: ``[B, T, H, D]`` written in its own dtype (any strides, last dim contiguous).
         lse: ``[B, H, T]`` float32, written when given.
+        softmax_scale: the scale the parts were computed at: above 1 the merge is compiled
+            without FMA contraction (``_common.exponent_options``), as the parts were.
 
     The caller checks shapes and devices (this is the kernel layer). ``P`` may be 1.
     """
@@ -128,7 +132,7 @@ def combine(
         num_parts, seqlen, num_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=block_p,
         WRITE_LSE=lse is not None,
-        num_warps=8 if block_p * block_d > 4096 else 4,
+        num_warps=8 if block_p * block_d > 4096 else 4, **exponent_options(softmax_scale),
     )
 
 

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim
+from ._common import cdiv, cuda_properties, dot_flags, exponent_options, is_interpreted, next_power_of_2, padded_head_dim
 from ._launch import Launcher, allocate
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .combine import combine
@@ -910,10 +910,10 @@ def decode_forward(
         BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
         WRITE_LSE=target_lse is not None, HAS_START=cache_leftpad is not None, KV_SCALE=kv_scale,
         num_warps=_warps_for(config, block_m, head_dim), num_stages=config.num_stages,
-        **mods, **dot_flags(q.dtype, interpreted),
+        **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
     )
     if num_splits > 1:
-        combine(target, target_lse, out, lse)
+        combine(target, target_lse, out, lse, softmax_scale=softmax_scale)
 
 
 def baseline_decode(
@@ -963,5 +963,5 @@ def baseline_decode(
         BLOCK_M=max(16, next_power_of_2(seqlen_new)), BLOCK_N=config.block_n,
         PAGE_SIZE=geometry.page_size, CAUSAL=causal, WRITE_LSE=lse is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **dot_flags(q.dtype, interpreted),
+        **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
     )

@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from . import tuning
-from ._common import cdiv, cuda_properties, dot_flags, is_interpreted, next_power_of_2, padded_head_dim, tma_compatible
+from ._common import cdiv, cuda_properties, dot_flags, exponent_options, is_interpreted, next_power_of_2, padded_head_dim, tma_compatible
 from ._launch import Launcher
 from ._softmax import Variant, attend_scores, unmasked_run, window_span
 from .tuning import TileConfig
@@ -499,7 +499,7 @@ def _launch_dense(q, k, v, out, lse, variant, alibi_slopes, softmax_scale, confi
             WRITE_LSE=lse is not None, USE_TMA=tma, WARP_SPECIALIZE=config.warp_specialize,
             IS_VARLEN=False, BLOCK_B=1,
             num_warps=config.num_warps, num_stages=config.num_stages,
-            **mods, **dot_flags(q.dtype, interpreted),
+            **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
         )
     return compiled
 
@@ -564,7 +564,7 @@ def varlen_forward(
             WRITE_LSE=lse is not None, USE_TMA=tma, WARP_SPECIALIZE=config.warp_specialize,
             IS_VARLEN=True, BLOCK_B=max(16, next_power_of_2(num_seqs)),
             num_warps=config.num_warps, num_stages=config.num_stages,
-            **mods, **dot_flags(q.dtype, interpreted),
+            **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
         )
     return compiled
 

@@ -58,7 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .._common import is_sm90, tma_aligned
+from .._common import exponent_options, is_sm90, tma_aligned
 from .._launch import Launcher
 from ..combine import combine
 from ..decode import split_targets
@@ -385,7 +385,7 @@ def launch_args(q, k_cache, v_cache, cache_seqlens, block_table, target, target_
 def launch(*args, config: GluonDecodeConfig, **kwargs) -> None:
     """One decode launch (arguments of :func:`launch_args`) on the current CUDA device."""
     grid, kernel_args, kernel_kwargs = launch_args(*args, config=config, **kwargs)
-    _launch_kernel(grid, *kernel_args, **kernel_kwargs, num_warps=4)
+    _launch_kernel(grid, *kernel_args, **kernel_kwargs, num_warps=4, **exponent_options(kwargs["softmax_scale"]))
 
 
 def num_splits_for(programs: int, capacity: int, sms: int, block_n: int, min_split_tokens: int,
@@ -406,7 +406,7 @@ def attend(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, page_si
            num_splits=num_splits, causal=causal, softmax_scale=softmax_scale, config=config, sms=sms,
            k_scale=k_scale, v_scale=v_scale)
     if num_splits > 1:
-        combine(target, target_lse, out, lse)
+        combine(target, target_lse, out, lse, softmax_scale=softmax_scale)
 
 
 _launch_kernel = Launcher(_gluon_decode_kernel)

@@ -112,7 +112,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .._common import is_sm90, tma_aligned
+from .._common import exponent_options, is_sm90, tma_aligned
 from .._launch import Launcher
 from .common import (TORCH_TO_GL, _alloc_barriers, _as_matrix, _rescale, _ring_slot, _softmax_tile, make_descriptor,
                      num_sms, tile_layout)
@@ -1056,7 +1056,7 @@ def launch(q, k, v, out, lse, *, causal: bool, softmax_scale: float, config: Glu
     (``prefill.attention_forward``: validated inputs, :func:`supported` and ``out`` TMA-ready),
     on the current CUDA device (the interface sets ``q``'s)."""
     grid, args, kwargs = launch_args(q, k, v, out, lse, causal, softmax_scale, config)
-    _launch_kernel(grid, *args, **kwargs, num_warps=4, maxnreg=maxnreg_for(config))
+    _launch_kernel(grid, *args, **kwargs, num_warps=4, maxnreg=maxnreg_for(config), **exponent_options(softmax_scale))
 
 
 _launch_kernel = Launcher(_gluon_attention_kernel)
