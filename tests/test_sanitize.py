@@ -64,19 +64,22 @@ def test_reports_are_counted(sanitize, tmp_path):
 
 
 def test_warp_specialization_hazards_are_told_apart(sanitize):
-    """Racecheck's reports on Triton's warp-specialization state (the last bytes of a Gluon
-    kernel's shared memory) are counted apart; any other hazard, or one on another kernel, stays
-    an error, and so do all of them when some were not printed."""
-    def hazard(address, kernel):
-        return (f"========= Error: Potential RAW hazard detected at __shared__ {address} in block (13,0,0) :\n"
+    """Racecheck's reports whose read is the warp-specialization dispatch load of a Gluon kernel
+    (Triton's state byte) are counted apart, both per hazard and per instruction pair; a hazard
+    read elsewhere, or in another kernel, stays an error, and so do all of them when some were
+    not printed."""
+    def hazard(kernel, read_at):
+        return (f"========= Error: Potential RAW hazard detected at __shared__ 0x28538 in block (13,0,0) :\n"
                 f"=========     Write Thread (31,0,0) at {kernel}+0x7480 in prefill.py:870\n"
-                f"=========     Read Thread (256,0,0) at {kernel}+0x120 in prefill.py:870\n")
-    spans = [["_gluon_attention_kernel", 0x28538, 0x28540]]
-    log = (hazard("0x28538", "_gluon_attention_kernel") + hazard("0x2853f", "_gluon_attention_kernel")
-           + hazard("0x28540", "_gluon_attention_kernel") + hazard("0x28538", "_decode_kernel")
+                f"=========     Read Thread (256,0,0) at {kernel}+{read_at} in prefill.py:870\n"
+                f"=========     Current Value : 2\n")
+    pair = ("========= Error: Race reported between Read access at _gluon_attention_kernel+0x120 in prefill.py:870\n"
+            "=========     and Write access at _gluon_attention_kernel+0x7480 in prefill.py:870 [26 hazards]\n")
+    loads = [["_gluon_attention_kernel", 0x120]]
+    log = (hazard("_gluon_attention_kernel", "0x120") + hazard("_gluon_attention_kernel", "0x500")
+           + hazard("_decode_kernel", "0x120") + pair
            + "========= RACECHECK SUMMARY: 4 hazards displayed (4 errors, 0 warnings)\n")
-    found = sanitize.parse_report(log, spans)
+    found = sanitize.parse_report(log, loads)
     assert found["errors"] == 2 and found["known_hazards"] == 2
     assert sanitize.parse_report(log)["errors"] == 4
-    unprinted = log.replace("(4 errors", "(9 errors")
-    assert sanitize.parse_report(unprinted, spans)["errors"] == 9
+    assert sanitize.parse_report(log.replace("(4 errors", "(9 errors"), loads)["errors"] == 9

@@ -55,21 +55,23 @@ from pathlib import Path
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 NO_CACHING = ("memcheck", "initcheck")
-TOOL_OPTIONS = {"racecheck": ["--racecheck-report", "all"]}
+TOOL_OPTIONS = {"racecheck": ["--racecheck-report", "all"], "memcheck": ["--check-bulk-copy", "yes"],
+                "initcheck": ["--check-bulk-copy", "yes"]}
 PRINT_LIMIT = {"racecheck": 100000}  # every hazard printed: each is classified (known_hazards)
 TOOL_ENV = "FLASHKERNEL_SANITIZE_TOOL"  # the workload's tool, set for it by ToolRun
 
 # Two reports are the compiler's, not the kernels', and are told apart from real ones:
 # * racecheck on the Gluon kernels: Triton's warp specialization keeps one state byte per worker
-#   warp at the end of the kernel's shared memory; the default warps write it and the workers
-#   read it in their dispatch loop, separated by full-CTA barriers (bar.sync 1) that racecheck
-#   does not count as ordering them. A hazard on those bytes of a Gluon kernel is counted under
+#   warp in shared memory; the default warps write it and the workers read it (one LDS.U8 in the
+#   dispatch loop at the kernel's start), separated by full-CTA barriers (bar.sync 1) that
+#   racecheck does not count as ordering them. A hazard whose read is that load is counted under
 #   ``known_hazards``, not ``errors`` (docs/perf-notes.md, "Reliability": the SASS read).
 # * initcheck on in-kernel TMA descriptors: the descriptor is copied to global scratch by one
 #   atomic exchange per word, whose discarded old value initcheck counts as a read of
 #   uninitialized memory. Under initcheck the workload's scratch is zero-filled.
-WS_STATE_BYTES = 8
-SHARED_WINDOW = 1024  # racecheck's shared addresses start after the 1 KiB sm_90 reserves
+# TMA loads and stores are checked (memcheck) and count as writes (initcheck) only with
+# --check-bulk-copy.
+DISPATCH_LOOP_END = 0x400  # the workers' dispatch load lies in the first instructions
 
 
 # --- the workload --------------------------------------------------------------------------------
@@ -442,18 +444,27 @@ def _zero_filled_tma_scratch() -> None:
 
 
 def warp_specialization_state() -> list:
-    """``[kernel name, first address, end address]`` of the warp-specialization state bytes of
-    every Gluon kernel this process compiled, in racecheck's shared addresses."""
+    """``[kernel name, offset]`` of the workers' dispatch load (the ``LDS.U8`` of Triton's
+    warp-specialization state) in every Gluon kernel this process compiled."""
+    import tempfile
+
+    import triton.backends.nvidia
     from flashkernel.kernels._common import optional_kernel_module
 
-    spans = []
+    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    loads = set()
     for name in ("gluon.prefill", "gluon.decode"):
         module = optional_kernel_module(name)
         launcher = getattr(module, "_launch_kernel", None) if module is not None else None
         for compiled in (launcher.compiled.values() if launcher is not None else ()):
-            end = SHARED_WINDOW + compiled.metadata.shared
-            spans.append([compiled.metadata.name, end - WS_STATE_BYTES, end])
-    return spans
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                cubin.write(compiled.asm["cubin"])
+                cubin.flush()
+                sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True).stdout
+            for offset in re.findall(r"/\*([0-9a-f]+)\*/\s+LDS\.U8\b", sass):
+                if int(offset, 16) < DISPATCH_LOOP_END:
+                    loads.add((compiled.metadata.name, int(offset, 16)))
+    return sorted(loads)
 
 
 def run_workload(families) -> int:
@@ -509,29 +520,34 @@ SUMMARY_PATTERNS = (
 REPORT = re.compile(r"=+ (?!ERROR SUMMARY|RACECHECK SUMMARY|COMPUTE-SANITIZER)(\S.*)")
 
 
-HAZARD = re.compile(r"Error: Potential \w+ hazard detected at __shared__ (0x[0-9a-f]+) in block")
-ACCESS = re.compile(r"(?:Write|Read) Thread \([0-9,]+\) at (\w+)\+0x")
+HAZARD = re.compile(r"Error: Potential \w+ hazard detected at __shared__ 0x[0-9a-f]+ in block")
+HAZARD_READ = re.compile(r"Read Thread \([0-9,]+\) at (\w+)\+(0x[0-9a-f]+)")
+RACE = re.compile(r"Error: Race reported between Read access at (\w+)\+(0x[0-9a-f]+)")
 
 
-def known_hazards(lines, spans) -> int:
-    """Racecheck error reports on the warp-specialization state bytes ``spans``
-    (:func:`warp_specialization_state`) of the kernel both accesses are in."""
-    known = 0
+def racecheck_reports(lines, dispatch_loads) -> tuple[int, int]:
+    """``(printed, known)``: racecheck's error reports (each hazard, and each pair of
+    instructions it summarizes them by), and those whose read is a dispatch load of
+    :func:`warp_specialization_state` (``dispatch_loads``: ``[kernel, offset]`` pairs)."""
+    loads = {(name, offset) for name, offset in dispatch_loads}
+    printed = known = 0
     for i, line in enumerate(lines):
-        m = HAZARD.search(line)
-        if not m:
-            continue
-        address = int(m.group(1), 16)
-        kernels = {a.group(1) for a in map(ACCESS.search, lines[i + 1:i + 3]) if a}
-        if len(kernels) == 1 and any(name in kernels and lo <= address < hi for name, lo, hi in spans):
-            known += 1
-    return known
+        if HAZARD.search(line):
+            reads = [m for m in map(HAZARD_READ.search, lines[i + 1:i + 3]) if m]
+        else:
+            reads = [m for m in [RACE.search(line)] if m]
+            if not reads:
+                continue
+        printed += 1
+        known += any((m.group(1), int(m.group(2), 16)) in loads for m in reads)
+    return printed, known
 
 
-def parse_report(text: str, spans=()) -> dict:
+def parse_report(text: str, dispatch_loads=()) -> dict:
     """Errors (and racecheck warnings) from a sanitizer log, and its first reports, each with
-    the line after it (where it names the kernel). Racecheck hazards on the warp-specialization
-    state ``spans`` are ``known_hazards``, not errors, when every hazard was printed."""
+    the line after it (where it names the kernel). Racecheck reports whose read is a dispatch
+    load (:func:`racecheck_reports`) are ``known_hazards``, not errors, when every report was
+    printed."""
     errors = warnings = None
     lines = text.splitlines()
     reports = []
@@ -547,13 +563,12 @@ def parse_report(text: str, spans=()) -> dict:
             detail = lines[i + 1].strip("= ").strip() if i + 1 < len(lines) else ""
             reports.append(f"{m.group(1).strip()} | {detail}")
     result = {"errors": errors, "warnings": warnings, "first_reports": reports}
-    if spans:
-        printed = sum(1 for line in lines if HAZARD.search(line))
-        known = known_hazards(lines, spans)
+    if dispatch_loads:
+        printed, known = racecheck_reports(lines, dispatch_loads)
         if errors is not None and printed == errors and known:
             result["errors"], result["known_hazards"] = errors - known, known
-            result["first_reports"] = [r for r in reports if not r.startswith("Error: Potential")] + [
-                f"{known} hazards on Triton's warp-specialization state bytes (not counted as errors)"]
+            result["first_reports"] = [r for r in reports if not r.startswith(("Error: Potential", "Error: Race"))] + [
+                f"{known} reports on Triton's warp-specialization state (not counted as errors)"]
     return result
 
 
@@ -586,8 +601,8 @@ class ToolRun:
                   "seconds": round(time.perf_counter() - self.start, 1), "command": " ".join(self.cmd)}
         text = self.output.read_text(errors="replace")
         state = re.search(r"^WS_STATE (.*)$", text, re.M)
-        spans = json.loads(state.group(1)) if state else ()
-        result.update(parse_report(self.log.read_text(errors="replace") if self.log.exists() else "", spans))
+        loads = json.loads(state.group(1)) if state else ()
+        result.update(parse_report(self.log.read_text(errors="replace") if self.log.exists() else "", loads))
         result["cases"] = len(re.findall(r"^  (ok|FAIL) ", text, re.M))
         result["cases_failed"] = len(re.findall(r"^  FAIL ", text, re.M))
         result["ok"] = code == 0 and result["errors"] == 0 and result["cases_failed"] == 0
