@@ -115,8 +115,8 @@ def sanitizer_counts(out: Path) -> dict:
     for path in sorted((out / "sanitizer").glob("*.json")):
         if path.name != "summary.json":
             t = json.loads(path.read_text())
-            tools[t["tool"]] = {k: t.get(k) for k in ("errors", "warnings", "exit", "seconds", "cases", "cases_failed",
-                                                      "ok")}
+            tools[t["tool"]] = {k: t.get(k) for k in ("errors", "known_hazards", "warnings", "exit", "seconds", "cases",
+                                                      "cases_failed", "ok")}
     return {"runs": len(tools), "errors": sum(t["errors"] or 0 for t in tools.values()) if tools else None,
             "tools": tools, "ok": len(tools) == 4 and all(t["ok"] for t in tools.values())}
 

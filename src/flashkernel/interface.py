@@ -163,7 +163,9 @@ def flash_attn_func(
                 1 1
 
             A query row that sees no key returns 0 (and LSE = -inf), never NaN.
-        softmax_scale: scale applied to ``q k^T``; default ``1 / sqrt(head_dim)``.
+        softmax_scale: scale applied to ``q k^T``; default ``1 / sqrt(head_dim)``. At most 1 the
+            softmax's exponent is one fused multiply-add, exact while ``|scale * q.k| < 9e7``;
+            above 1 the kernels are compiled without that fusion (exact at any score).
         window_size: ``(left, right)``, local (sliding-window) attention; -1 = unbounded side,
             ``(-1, -1)`` (default) = no window. Query ``i`` sees keys ``j`` with
             ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (aligned bottom-right like
