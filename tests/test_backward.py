@@ -334,6 +334,21 @@ def test_extreme_logits(causal, dtype):
     run_dense(1, 50, 60, (2, 1), 64, dtype, causal=causal, softmax_scale=1.0, scale_q=12.0)
 
 
+@pytest.mark.parametrize("scale", [1e8, 1e12])
+def test_huge_scales_give_finite_gradients(scale):
+    """Scales past the usual (``_common.exponent_options``): the recomputed exponent ``s - lse``
+    can exceed 0 by an ulp of scores near 1e13, which overflowed exp2 into inf and NaN gradients
+    (float32 here; the accuracy of such gradients falls with the scores' magnitude, so only
+    finiteness and the forward are checked)."""
+    q, k, v = random_qkv(1, 24, 40, 2, 1, 32, torch.float32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = flashkernel.flash_attn_func(q, k, v, causal=True, softmax_scale=scale)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all()
+    for name, grad in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.isfinite(grad).all(), f"{name} has {int((~torch.isfinite(grad)).sum())} non-finite values"
+
+
 @pytest.mark.parametrize("softcap", [0.5, 30.0])
 def test_softcap_saturated(softcap):
     """|scale * q.k| in the hundreds: tanh is +-1 and its derivative 0, exactly, never NaN."""

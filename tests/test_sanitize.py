@@ -81,5 +81,9 @@ def test_warp_specialization_hazards_are_told_apart(sanitize):
            + "========= RACECHECK SUMMARY: 4 hazards displayed (4 errors, 0 warnings)\n")
     found = sanitize.parse_report(log, loads)
     assert found["errors"] == 2 and found["known_hazards"] == 2
+    assert [r.split(" | ")[1] for r in found["first_reports"][:2]] == [
+        "Write Thread (31,0,0) at _gluon_attention_kernel+0x7480 in prefill.py:870",
+        "Write Thread (31,0,0) at _decode_kernel+0x7480 in prefill.py:870"]  # the real ones, still shown
+    assert "warp-specialization state" in found["first_reports"][-1]
     assert sanitize.parse_report(log)["errors"] == 4
     assert sanitize.parse_report(log.replace("(4 errors", "(9 errors"), loads)["errors"] == 9

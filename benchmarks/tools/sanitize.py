@@ -539,12 +539,13 @@ HAZARD_READ = re.compile(r"Read Thread \([0-9,]+\) at (\w+)\+(0x[0-9a-f]+)")
 RACE = re.compile(r"Error: Race reported between Read access at (\w+)\+(0x[0-9a-f]+)")
 
 
-def racecheck_reports(lines, dispatch_loads) -> tuple[int, int]:
-    """``(printed, known)``: racecheck's error reports (each hazard, and each pair of
-    instructions it summarizes them by), and those whose read is a dispatch load of
-    :func:`warp_specialization_state` (``dispatch_loads``: ``[kernel, offset]`` pairs)."""
+def racecheck_reports(lines, dispatch_loads) -> tuple[int, set]:
+    """``(printed, known)``: the number of racecheck's error reports (each hazard, and each pair
+    of instructions it summarizes them by), and the line numbers of those whose read is a
+    dispatch load of :func:`warp_specialization_state` (``dispatch_loads``: ``[kernel, offset]``
+    pairs)."""
     loads = {(name, offset) for name, offset in dispatch_loads}
-    printed = known = 0
+    printed, known = 0, set()
     for i, line in enumerate(lines):
         if HAZARD.search(line):
             reads = [m for m in map(HAZARD_READ.search, lines[i + 1:i + 3]) if m]
@@ -553,36 +554,38 @@ def racecheck_reports(lines, dispatch_loads) -> tuple[int, int]:
             if not reads:
                 continue
         printed += 1
-        known += any((m.group(1), int(m.group(2), 16)) in loads for m in reads)
+        if any((m.group(1), int(m.group(2), 16)) in loads for m in reads):
+            known.add(i)
     return printed, known
 
 
 def parse_report(text: str, dispatch_loads=()) -> dict:
     """Errors (and racecheck warnings) from a sanitizer log, and its first reports, each with
     the line after it (where it names the kernel). Racecheck reports whose read is a dispatch
-    load (:func:`racecheck_reports`) are ``known_hazards``, not errors, when every report was
-    printed."""
+    load (:func:`racecheck_reports`) are ``known_hazards``, not errors and not among the first
+    reports, when every report was printed."""
     errors = warnings = None
     lines = text.splitlines()
-    reports = []
-    for i, line in enumerate(lines):
+    printed, known = racecheck_reports(lines, dispatch_loads) if dispatch_loads else (0, set())
+    for line in lines:
         for pattern in SUMMARY_PATTERNS:
             m = pattern.search(line)
             if m:
                 errors = (errors or 0) + int(m.group(1))
                 if m.lastindex == 2:
                     warnings = (warnings or 0) + int(m.group(2))
+    if not (known and errors is not None and printed == errors):
+        known = set()
+    reports = []
+    for i, line in enumerate(lines):
         m = REPORT.match(line)
-        if m and len(reports) < 20 and not line.startswith("=========     "):
+        if m and i not in known and len(reports) < 20 and not line.startswith("=========     "):
             detail = lines[i + 1].strip("= ").strip() if i + 1 < len(lines) else ""
             reports.append(f"{m.group(1).strip()} | {detail}")
     result = {"errors": errors, "warnings": warnings, "first_reports": reports}
-    if dispatch_loads:
-        printed, known = racecheck_reports(lines, dispatch_loads)
-        if errors is not None and printed == errors and known:
-            result["errors"], result["known_hazards"] = errors - known, known
-            result["first_reports"] = [r for r in reports if not r.startswith(("Error: Potential", "Error: Race"))] + [
-                f"{known} reports on Triton's warp-specialization state (not counted as errors)"]
+    if known:
+        result["errors"], result["known_hazards"] = errors - len(known), len(known)
+        reports.append(f"{len(known)} reports on Triton's warp-specialization state (not counted as errors)")
     return result
 
 

@@ -186,6 +186,18 @@ def _span_bounds(seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def _exponent(x, CLAMP_EXP: tl.constexpr):
+    """``x = s - lse`` (log2 units), at most 0 in exact arithmetic. Past the usual scales (where
+    ``_common.exponent_options`` turns FMA contraction off) the LSE's round trip through natural
+    log and the recomputed scores' own rounding, each an ulp of scores that may pass 2**31, can
+    put it far above 0: clamped there, so no gradient overflows (their accuracy then falls with
+    the scores' magnitude: float32 scores no longer resolve the softmax)."""
+    if CLAMP_EXP:
+        x = tl.minimum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return x
+
+
+@triton.jit
 def _load_row_stats(lse_base, delta_base, rows, seqlen_q):
     """A tile's LSE in log2 units and its ``delta``. Rows past ``seqlen_q`` and rows that saw no
     key (``lse = -inf``) get ``+inf``, so ``exp2(s - lse)`` is 0 for every key of theirs."""
@@ -316,7 +328,7 @@ def _dkdv_step(
     window_left, window_right, softcap_in, softcap_out, alibi_keys,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_EXP: tl.constexpr,
 ):
     """Add one query tile's contribution (rows ``start_m + [0, BLOCK_M)``) to ``dk, dv
     [BLOCK_N, BLOCK_D]``, on transposed tiles ``[keys, rows]``.
@@ -341,7 +353,7 @@ def _dkdv_step(
                               HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     else:
         s_t = qk_t * qk_scale
-    p_t = tl.math.exp2(s_t - lse[None, :])
+    p_t = tl.math.exp2(_exponent(s_t - lse[None, :], CLAMP_EXP))
     if CAUSAL or HAS_WINDOW:
         if masked:
             p_t = tl.where(_visible_queries(keys, row_pos, window_left, window_right, CAUSAL, HAS_WINDOW), p_t, 0.0)
@@ -364,6 +376,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, BLOCK_B: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CLAMP_EXP: tl.constexpr,
 ):
     """Grid ``(key tiles, Hkv * parts, B)`` dense, ``(key tile bound, Hkv * parts, 1)`` packed.
 
@@ -426,7 +439,7 @@ def _dkdv_kernel(
                 seqlen_q, stride_qs, stride_dos, causal_shift, qk_scale,
                 window_left, window_right, softcap_in, softcap_out, alibi_keys,
                 HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                DOT_F32, DOT_PRECISION)
+                DOT_F32, DOT_PRECISION, CLAMP_EXP)
 
     dk = dk * sm_scale
     mask = keys[:, None] < seqlen_k
@@ -454,7 +467,7 @@ def _dq_step(
     window_left, window_right, softcap_in, softcap_out, alibi_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_EXP: tl.constexpr,
 ):
     """Add one key tile's contribution (keys ``start_n + [0, BLOCK_N)``) to ``dq [BLOCK_M,
     BLOCK_D]``. ``masked`` (runtime, uniform over the program) says the tile may hold keys past
@@ -470,7 +483,7 @@ def _dq_step(
                             HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     else:
         s = qk * qk_scale
-    p = tl.math.exp2(s - lse[:, None])
+    p = tl.math.exp2(_exponent(s - lse[:, None], CLAMP_EXP))
     if masked:
         p = tl.where(visible_keys(row_pos, keys, seqlen_k, window_left, window_right, CAUSAL, HAS_WINDOW), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -490,6 +503,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, BLOCK_B: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CLAMP_EXP: tl.constexpr,
 ):
     """Grid ``(query tiles, Hq, B)`` dense, ``(query tile bound, Hq, 1)`` packed; with a mask
     the tiles with the most keys are issued first. Strides as in :func:`_dkdv_kernel`."""
@@ -535,7 +549,7 @@ def _dq_kernel(
                       seqlen_k, k_strides[1], v_strides[1], qk_scale,
                       window_left, window_right, softcap_in, softcap_out, alibi_rows,
                       HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_F32, DOT_PRECISION)
+                      DOT_F32, DOT_PRECISION, CLAMP_EXP)
 
     dq = dq * sm_scale
     mask = rows[:, None] < seqlen_q
@@ -815,5 +829,6 @@ def _kernel_tail(q, k, v, dout, lse, delta, variant: Variant, alibi_slopes, soft
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         IS_VARLEN=layout.varlen, BLOCK_B=max(16, next_power_of_2(num_seqs)) if layout.varlen else 1,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        CLAMP_EXP=bool(exponent_options(softmax_scale)),
         **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
     )
