@@ -340,7 +340,7 @@ def _kernel_values(spec: CompileSpec):
                   qk_scale="fp32", sm_scale="fp32", softcap_in="fp32", softcap_out="fp32",
                   HEAD_DIM=spec.head_dim, BLOCK_D=padded_head_dim(spec.head_dim), BLOCK_M=tile.block_m,
                   BLOCK_N=tile.block_n, CAUSAL=spec.causal, HAS_WINDOW=False, HAS_SOFTCAP=False,
-                  HAS_ALIBI=False, IS_VARLEN=False, BLOCK_B=1, DOT_F32=False,
+                  HAS_ALIBI=False, IS_VARLEN=False, BLOCK_B=1, DOT_F32=False, CLAMP_EXP=False,
                   DOT_PRECISION="ieee" if spec.dtype == "float32" else "tf32")
     if spec.kernel == "dkdv":
         values.update(DK=f"*{ty}", DV=f"*{ty}", dk_strides=("i32",) * 4, dv_strides=("i32",) * 4)
