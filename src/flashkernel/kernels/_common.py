@@ -48,7 +48,12 @@ def exponent_options(softmax_scale: float) -> dict:
     keeps the fused exponent: its contract is ``|scale * q.k| < 9e7`` (logits of 1e4 are far
     inside).
     """
-    return _NO_FP_FUSION if softmax_scale > EXACT_EXPONENT_SCALE else {}
+    return _NO_FP_FUSION if exact_exponent(softmax_scale) else {}
+
+
+def exact_exponent(softmax_scale: float) -> bool:
+    """Whether kernels at ``softmax_scale`` compute the exponent unfused (:func:`exponent_options`)."""
+    return softmax_scale > EXACT_EXPONENT_SCALE
 
 
 def cdiv(a: int, b: int) -> int:

@@ -56,7 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, cuda_properties, dot_flags, exponent_options, is_interpreted, next_power_of_2, padded_head_dim
+from ._common import (cdiv, cuda_properties, dot_flags, exact_exponent, exponent_options, is_interpreted,
+                      next_power_of_2, padded_head_dim)
 from ._launch import Launcher, allocate
 from ._softmax import Variant, modified_scores, unmasked_run, visible_keys, window_span
 from .prefill import MAX_GRID_YZ, MAX_VARLEN_SEQS, _load_tile, _strides3, _varlen_tile
@@ -829,6 +830,6 @@ def _kernel_tail(q, k, v, dout, lse, delta, variant: Variant, alibi_slopes, soft
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         IS_VARLEN=layout.varlen, BLOCK_B=max(16, next_power_of_2(num_seqs)) if layout.varlen else 1,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
-        CLAMP_EXP=bool(exponent_options(softmax_scale)),
+        CLAMP_EXP=exact_exponent(softmax_scale),
         **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
     )
