@@ -388,6 +388,138 @@ def test_fake_launch_replay_takes_integer_addresses(monkeypatch):
     assert calls[-1][18] == calls[-2][18]  # the temporary kept for the stream
 
 
+def _fake_replay(monkeypatch, values, launcher=None):
+    """A replay of one fake launch of ``values`` (tensors: a, b inputs; out allocated), on the CPU."""
+
+    class Runner:
+        num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+        global_scratch_size = profile_scratch_size = 0
+
+        def __init__(self):
+            self.calls = []
+
+        def launch(self, *args):
+            self.calls.append(args)
+
+    class Compiled:
+        function, packed_metadata, run = "fn", "meta", Runner()
+
+    a, b = torch.empty(8), torch.empty(8)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_launch._native, "launch_for", lambda *a: None)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 99)
+    with _launch.Recorder((a, b)) as rec:
+        rec.spoiled = False
+        out, scratch = _launch.allocate((4,), torch.float32, "cpu"), _launch.allocate((6,), torch.float32, "cpu")
+    rec.add(Compiled(), (3,), values(a, b, out, scratch), device=0, launcher=launcher)
+    return rec.finish((out, None)), Compiled.run.calls
+
+
+def test_a_replay_with_other_arguments_keeps_its_slots_and_temporaries(monkeypatch):
+    replay, calls = _fake_replay(monkeypatch, lambda a, b, out, scratch: (a, 7, (5, 6), b, out, scratch))
+    rebound = replay.with_arguments(0, {1: 9, 2: (10, 11)})
+    c, d = torch.empty(8), torch.empty(8)
+    rebound.run((c, d), reuse_scratch=True)
+    replay.run((c, d), reuse_scratch=True)
+    new, old = calls
+    assert new[13:17] == (c.data_ptr(), 9, (10, 11), d.data_ptr()) and old[13:17] == (c.data_ptr(), 7, (5, 6),
+                                                                                       d.data_ptr())
+    assert new[18] == old[18]  # one temporary per stream, shared by the two replays
+    assert replay.launches[0][1][1] == 7  # the original is unchanged
+
+
+def test_a_call_cache_family_serves_other_keys_through_rebind(monkeypatch):
+    replay, _ = _fake_replay(monkeypatch, lambda a, b, out, scratch: (a, 7, b, out))
+    cache = _launch.CallCache()
+    inputs = (torch.empty(8), torch.empty(8))
+    assert cache.rebound("k2", "family", inputs, lambda r: r) is None  # no family replay yet
+    monkeypatch.setattr(_launch, "Recorder", lambda inputs: _Returning(replay))
+    cache.run("k1", inputs, lambda: (None,), family="family")
+    seen = []
+    out, _ = cache.rebound("k2", "family", inputs, lambda r: seen.append(r) or r.with_arguments(0, {1: 8}))
+    assert seen == [replay] and out.shape == (4,)
+    assert cache.get("k2").launches[0][1][1] == 8 and cache.get("k1") is replay
+    assert cache.rebound("k3", "family", inputs, lambda r: None) is None and cache.get("k3") is None
+    cache.clear()
+    assert cache.rebound("k2", "family", inputs, lambda r: r) is None
+
+
+class _Returning:
+    """A stand-in Recorder whose finish() gives a fixed replay."""
+
+    refusal = None
+
+    def __init__(self, replay):
+        self.replay = replay
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def finish(self, outputs):
+        return self.replay
+
+
+def test_length_arguments_are_what_the_decode_launch_passes(monkeypatch):
+    """``decode.length_arguments`` (what a rebound replay patches) equals the arguments
+    decode_forward passes at those positions, with and without a window."""
+    from flashkernel.kernels import decode
+
+    seen = []
+
+    def capture(grid, *args, num_warps, num_stages=None, **named):
+        names = decode._decode_kernel.arg_names
+        seen.append(args + tuple(named[name] for name in names[len(args):]))
+
+    monkeypatch.setattr(decode, "_launch_decode", capture)
+    monkeypatch.setattr(decode, "combine", lambda *a, **k: None)
+    for window in ((-1, -1), (5, 0), (100, 0)):
+        q, _, _, _, _, seqlens = _cache_inputs(lengths=(7, 30))
+        k_cache = torch.randn(2, 2, 41, 32, dtype=torch.float16, device=DEVICE).transpose(1, 2)  # [B, S, Hkv, D]
+        v_cache = torch.randn_like(k_cache)
+        out = torch.empty_like(q)
+        decode.decode_forward(q, k_cache, v_cache, seqlens, None, out, None, appended=0, causal=True,
+                              softmax_scale=0.2, window_size=window)
+        variant = decode.Variant.of(True, window, 0.0, None, None)
+        got = tuple(seen[-1][i] for i in decode._LENGTH_INDICES)
+        assert got == decode.length_arguments(k_cache, v_cache, variant, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, dict(window_size=(64, 0), softcap=30.0), dict(num_splits=3, return_lse=True)])
+def test_a_growing_contiguous_cache_is_served_by_rebound_replays_bit_identical_gpu(monkeypatch, variant):
+    """transformers' dynamic cache: every step a new ``[B, Hkv, S, D]`` cache one key longer,
+    passed transposed. Every step's first call is served by the previous length's replay with the
+    length arguments rebound (counted), and equals the full path bit for bit, across the
+    lengths where Triton's specialization of them and the split count change."""
+    from flashkernel.kernels import decode
+
+    rebound = []
+    original = decode.rebind_lengths
+    monkeypatch.setattr(decode, "rebind_lengths", lambda r, lengths: rebound.append(original(r, lengths)) or
+                        rebound[-1])
+    interface._EAGER_CALLS.clear()
+    batch, heads, kv_heads, head_dim = 2, 32, 8, 128
+    lengths = list(range(120, 150)) + list(range(1000, 1040)) + [4095, 4096, 4097]
+    for step, length in enumerate(lengths):
+        q = torch.randn(batch, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        k_cache, v_cache = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.bfloat16,
+                                        device="cuda").transpose(1, 2) for _ in range(2))
+        spans = torch.tensor([[3, length, length], [0, length - 5, length]], dtype=torch.int32, device="cuda")
+        kwargs = dict(cache_seqlens=spans[:, 2], cache_leftpad=spans[:, 0], causal=True, **variant)
+        want = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, validate=True, **kwargs)  # no replay
+        for _ in range(2):  # the step's first call (rebound or recorded), then a replay of its key
+            got = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                assert torch.equal(g, w), (length, variant)
+    served = sum(r is not None for r in rebound)
+    assert served >= len(lengths) * 3 // 4, (served, len(lengths))
+
+
 # ---- plans ------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import torch
 
 from . import _checks, ops, reference
 from .kernels import decode, dispatch, naive
-from .kernels._launch import CallCache, allocate, layouts
+from .kernels._launch import CallCache, allocate, layouts, runtime_key
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_kv", "standard_attention"]
 
@@ -107,16 +107,17 @@ def _with_lse_for_backward(scalars: tuple, tensors) -> tuple:
     return (*scalars[:-2], True, scalars[-1]) if ops.needs_grad(tensors) else scalars
 
 
-def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op):
-    """Run a validated call: recorded for replay in eager mode, else through the op ``op``
-    (after checking that no gradient is wanted where the op has no backward; ``named`` are the
-    differentiable inputs with their names)."""
+def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op, family=None):
+    """Run a validated call: recorded for replay in eager mode (and filed under ``family`` when
+    given, see ``CallCache``), else through the op ``op`` (after checking that no gradient is
+    wanted where the op has no backward; ``named`` are the differentiable inputs with their
+    names)."""
     if eager_key is not None:
         try:
             hash(eager_key)
         except TypeError:  # an unhashable key (a list as window_size): not recorded
             return run_eager()
-        return _EAGER_CALLS.run(eager_key, tensors, run_eager)
+        return _EAGER_CALLS.run(eager_key, tensors, run_eager, family)
     ops.check_no_grad(op, named, f"flashkernel.{public}")
     return run_op()
 
@@ -550,11 +551,42 @@ def flash_attn_with_kvcache(
         out, lse = _empty_results(q, return_lse, sinks)
         return (out, lse) if return_lse else out
     scalars = (causal, scale, window[0], window[1], cap, num_splits, return_lse, backend)
+    family = None
+    if key is not None:
+        family = _length_family(key, tensors, scalars)
+        if family is not None:
+            results = _EAGER_CALLS.rebound(key, family[0], tensors,
+                                           lambda replay: decode.rebind_lengths(replay, family[1]))
+            if results is not None:
+                return results if return_lse else results[0]
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks),
              ("k_scale", k_scale), ("v_scale", v_scale))
     out, lse = _run("kvcache_fwd", "flash_attn_with_kvcache", key, tensors, named,
-                    lambda: ops.kvcache_fwd_impl(*tensors, *scalars), lambda: ops.kvcache_fwd(*tensors, *scalars))
+                    lambda: ops.kvcache_fwd_impl(*tensors, *scalars), lambda: ops.kvcache_fwd(*tensors, *scalars),
+                    family and family[0])
     return (out, lse) if return_lse else out
+
+
+def _length_family(key, tensors, scalars):
+    """``(family key, length arguments)`` of a validated eager cache call whose launches a
+    recorded call over another length of contiguous cache can make (``dispatch.
+    decode_length_family``), or None. The family key is the call's key without the caches'
+    lengths and strides, plus the decode launch it plans and how Triton specializes its length
+    arguments: calls of one family differ in nothing else that reaches a launch."""
+    q, k_cache, v_cache, k, _, _, block_table, _, alibi_slopes, sinks, k_scale, _ = tensors
+    causal, _, window_left, window_right, cap, num_splits, _, backend = scalars
+    found = dispatch.decode_length_family(q, k_cache, v_cache, k, block_table, k_scale, causal=causal,
+                                          window_size=(window_left, window_right), softcap=cap,
+                                          alibi_slopes=alibi_slopes, sinks=sinks, num_splits=num_splits,
+                                          backend=backend)
+    if found is None:
+        return None
+    launch, lengths = found
+    name, key_scalars, types, window, tensor_layouts = key
+    caches = tuple((shape[0], shape[2:], *rest) for shape, _, *rest in tensor_layouts[1:3])
+    family = (name, key_scalars, types, window, tensor_layouts[:1] + caches + tensor_layouts[3:], launch,
+              runtime_key(lengths))
+    return family, lengths
 
 
 AMAX_CHUNK_ELEMENTS = 2**26  # |x| is taken a chunk at a time: no cache-sized temporary

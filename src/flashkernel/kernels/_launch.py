@@ -37,6 +37,7 @@ at import), every launch goes through ``kernel[grid]`` and nothing is recorded.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 
@@ -171,8 +172,8 @@ class Recorder:
     def __exit__(self, *exc) -> None:
         _ACTIVE.recorder = self._outer
 
-    def add(self, compiled, grid, values, device: int) -> None:
-        self.launches.append((compiled, grid, values, device))
+    def add(self, compiled, grid, values, device: int, launcher: Launcher | None = None) -> None:
+        self.launches.append((compiled, grid, values, device, launcher))
 
     def finish(self, outputs) -> Replay | None:
         """The :class:`Replay` of this call, whose results are ``outputs`` (tensors allocated
@@ -236,9 +237,11 @@ class Replay:
         self.everything = inputs + tuple(rec.allocations)
         self.first_at = _first_at_address(self.everything)
         self.device = rec.launches[0][3]
-        self.launches = tuple(self._launch_template(c, g, v, d) for c, g, v, d in rec.launches)
+        self.launchers = tuple(launch[4] for launch in rec.launches)  # Launcher objects (None: another caller)
+        self._compiled = tuple(launch[0] for launch in rec.launches)
+        self.launches = tuple(self._launch_template(c, g, v, d) for c, g, v, d, _ in rec.launches)
         del self.everything, self.first_at  # the call's tensors: needed only to read the addresses
-        self.native = self._native_launches(rec)
+        self.native = self._native_launches()
 
     def _launch_template(self, compiled, grid, values, device):
         if device != self.device:
@@ -265,19 +268,43 @@ class Replay:
                 compiled.packed_metadata)
         return head, list(args), tuple(slots), tuple(descriptors), scratch
 
-    def _native_launches(self, rec):
+    def _native_launches(self):
         """The launches packed for the C launcher (``_native.py``), or None when one of them does
         not qualify (then every launch goes through Triton's launcher)."""
         packed = []
-        for (compiled, grid, _, _), (_, template, slots, descriptors, _) in zip(rec.launches, self.launches):
-            if descriptors:
+        for compiled, launch in zip(self._compiled, self.launches):
+            native = self._native_launch(compiled, launch)
+            if native is None:
                 return None
-            grid3 = tuple(grid) + (1,) * (3 - len(grid))
-            launch = _native.launch_for(compiled, grid3, template, {i: (j, offset) for i, j, offset in slots})
-            if launch is None:
-                return None
-            packed.append(launch)
+            packed.append(native)
         return tuple(packed)
+
+    @staticmethod
+    def _native_launch(compiled, launch):
+        (_, grid, *_), template, slots, descriptors, _ = launch
+        if descriptors:
+            return None
+        return _native.launch_for(compiled, grid, template, {i: (j, offset) for i, j, offset in slots})
+
+    def with_arguments(self, index: int, values: dict) -> Replay:
+        """A replay whose launch ``index`` takes ``values`` (argument index -> value: integers or
+        tuples of them, in place of the recorded ones) and is otherwise this one: same kernels,
+        grids, allocations and tensor slots, and the same temporaries kept per stream.
+
+        The caller vouches that the new values specialize as the recorded ones do
+        (:func:`runtime_key`), so the recorded compiled kernel is the one Triton would pick.
+        """
+        head, template, slots, descriptors, scratch = self.launches[index]
+        template = list(template)
+        for i, value in values.items():
+            template[i] = value
+        launch = (head, template, slots, descriptors, scratch)
+        clone = copy.copy(self)  # shares _scratch_by_stream and its lock: the allocations are the same
+        clone.launches = self.launches[:index] + (launch,) + self.launches[index + 1:]
+        if self.native is not None:
+            native = self._native_launch(self._compiled[index], launch)
+            clone.native = None if native is None else self.native[:index] + (native,) + self.native[index + 1:]
+        return clone
 
     def run(self, inputs, reuse_scratch: bool = False):
         """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
@@ -373,11 +400,19 @@ def layouts(tensors) -> tuple:
 
 class CallCache:
     """Replays of recorded calls, by key (the caller's: its name, the :func:`layout` of each
-    tensor and every scalar argument). Bounded: cleared when it grows past ``max_entries``."""
+    tensor and every scalar argument). Bounded: cleared when it grows past ``max_entries``.
+
+    Families: a caller may also file a replay under a family key, shared by calls that differ
+    only in arguments it knows how to rebind (a decode call over a contiguous cache one token
+    longer: the caches' strides and capacity). A call whose own key has no replay yet is then
+    served by :meth:`rebound`: the family's replay with those arguments replaced, filed under
+    the call's key, with no validation, dispatch or recording of its own launches.
+    """
 
     def __init__(self, max_entries: int = 1024):
         self.max_entries = max_entries
         self._replays: dict = {}
+        self._families: dict = {}
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
     def get(self, key) -> Replay | None:
@@ -385,12 +420,17 @@ class CallCache:
         replay = self._replays.get(key)
         return replay or None
 
-    def run(self, key, inputs, run):
+    def _file(self, key, replay) -> None:
+        if len(self._replays) >= self.max_entries:
+            self.clear()
+        self._replays[key] = replay
+
+    def run(self, key, inputs, run, family=None):
         """``run()`` (the full path of a call whose key had no replay): recorded under a
-        :class:`Recorder` of ``inputs`` and kept as a replay when it can be one; a call that
-        cannot be replayed (the refusal does not depend on addresses) is remembered, so later
-        calls of its key run the full path without recording. ``run`` returns a tuple of output
-        tensors (None allowed), which is returned."""
+        :class:`Recorder` of ``inputs`` and kept as a replay when it can be one (also as the
+        replay of ``family`` when given); a call that cannot be replayed (the refusal does not
+        depend on addresses) is remembered, so later calls of its key run the full path without
+        recording. ``run`` returns a tuple of output tensors (None allowed), which is returned."""
         if key in self._replays:  # refused before
             return run()
         with Recorder(inputs) as rec:
@@ -398,13 +438,25 @@ class CallCache:
         replay = rec.finish(outputs)
         self.last_refusal = rec.refusal
         if replay is not None or rec.refusal not in (None, "spoiled"):
-            if len(self._replays) >= self.max_entries:
-                self._replays.clear()
-            self._replays[key] = replay or False
+            self._file(key, replay or False)
+            if replay is not None and family is not None:
+                self._families[family] = replay
         return outputs
+
+    def rebound(self, key, family, inputs, rebind):
+        """The outputs of the replay of ``family`` rebound to this call by ``rebind(replay) ->
+        Replay | None`` and run on ``inputs``; None when the family has no replay or ``rebind``
+        declines (then the caller takes the full path, :meth:`run` with ``family``)."""
+        base = self._families.get(family)
+        replay = None if base is None else rebind(base)
+        if replay is None:
+            return None
+        self._file(key, replay)
+        return replay.run(inputs, reuse_scratch=True)
 
     def clear(self) -> None:
         self._replays.clear()
+        self._families.clear()
 
     def __len__(self) -> int:
         """Keys with a replay."""
@@ -457,5 +509,5 @@ class Launcher:
                          knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
         rec = _recorder()
         if rec is not None:
-            rec.add(compiled, grid, values, device)
+            rec.add(compiled, grid, values, device, self)
         return compiled

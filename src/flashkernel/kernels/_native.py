@@ -189,17 +189,20 @@ def pack(signature: dict, values, pointer_slots: dict) -> tuple[bytes, tuple] | 
     if packing is None:
         return None
     fmt, entries = packing
-    words, slots = [], []
+    words = [values[arg] if element < 0 else values[arg][element] for arg, element, _ in entries]
+    slots = []
     for param, (arg, element, kind) in enumerate(entries):
-        value = values[arg] if element < 0 else values[arg][element]
         if kind == "ptr":
             if element < 0 and arg in pointer_slots:
                 slots.append((param, *pointer_slots[arg]))
-                value = 0
-            words.append(int(value or 0))
-        else:
-            words.append(int(value) if kind == "int" else float(value))
-    return struct.pack(fmt, *words), tuple(slots)
+                words[param] = 0
+            else:
+                words[param] = int(words[param] or 0)
+    try:
+        return struct.pack(fmt, *words), tuple(slots)
+    except struct.error:  # a scalar that is not a Python int / float (e.g. a numpy integer)
+        words = [int(w) if kind != "float" else float(w) for w, (_, _, kind) in zip(words, entries)]
+        return struct.pack(fmt, *words), tuple(slots)
 
 
 def launch_for(compiled, grid, values, pointer_slots: dict):

@@ -805,6 +805,52 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scal
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """What :func:`decode_forward` decides from shapes alone: the tile config, the row tiles,
+    the split count and the grid of the decode kernel."""
+
+    config: DecodeConfig
+    group: int  # query heads per KV head
+    block_m: int
+    num_row_tiles: int
+    num_splits: int
+    num_warps: int
+    grid: tuple[int]
+
+
+def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, variant: Variant, num_splits: int,
+                config: DecodeConfig | None, tuned: DecodeTuning, quantized: bool, interpreted: bool) -> DecodeLaunch:
+    """The :class:`DecodeLaunch` of a call: ``q [B, T, Hq, D]``, the cache's ``geometry``, the
+    variant (its window bounds the keys a split reads), the requested ``num_splits`` (0:
+    automatic) and ``config`` (None: the tuning's table)."""
+    batch, seqlen_new, num_heads, head_dim = q.shape
+    from_table = config is None
+    if from_table:
+        config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size, tuned, quantized)
+    group = num_heads // num_kv_heads
+    block_m = pick_block_m(group * seqlen_new, head_dim)
+    num_row_tiles = cdiv(group * seqlen_new, block_m)
+    programs = batch * num_kv_heads * num_row_tiles
+    span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1, config.block_n)
+    sms = sm_count(q.device, interpreted)
+    # The short-context rules (fit_config) hold where they were measured: tuned bf16/fp16 configs
+    # at head dims <= 128. Their splits may be as short as one short tile.
+    short_rules = (from_table and not interpreted and q.dtype != torch.float32
+                   and padded_head_dim(head_dim) <= 128)
+    if num_splits == 0:
+        num_splits = pick_num_splits(
+            programs, span, min(config.block_n, tuned.short_block_n) if short_rules else config.block_n, sms,
+            interpreted, page_size=geometry.page_size,
+            min_split_tokens=tuned.min_split_tokens if short_rules else tuned.unmeasured_min_split_tokens,
+            tuned=tuned)
+    if short_rules:
+        config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms, geometry.page_size,
+                            head_dim, waves_for(geometry.page_size, programs, span, sms, tuned), tuned)
+    return DecodeLaunch(config, group, block_m, num_row_tiles, num_splits, _warps_for(config, block_m, head_dim),
+                      (programs * num_splits,))
+
+
 def split_targets(q, out, lse, num_splits):
     """Where a decode kernel writes: ``out``/``lse`` with one split, else fp32 partials
     ``[S, B, T, Hq, D]`` and their LSE ``[S, B, Hq, T]`` in a workspace allocated for the call
@@ -860,42 +906,22 @@ def decode_forward(
     ``config`` overrides the tuned tile; ``tuned`` the tuning (default: the device's).
     """
     interpreted = is_interpreted(_decode_kernel)
-    batch, seqlen_new, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
     geometry = CacheGeometry.of(k_cache, block_table)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     if tuned is None:
         tuned = tuning.decode_tuning(q.device if not interpreted else None)
-    from_table = config is None
-    if from_table:
-        config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size, tuned, k_scale is not None)
-    group = num_heads // num_kv_heads
-    block_m = pick_block_m(group * seqlen_new, head_dim)
-    num_row_tiles = cdiv(group * seqlen_new, block_m)
-    programs = batch * num_kv_heads * num_row_tiles
-    span = attended_span(variant, geometry.capacity, seqlen_new, block_m // max(group, 1) + 1, config.block_n)
-    sms = sm_count(q.device, interpreted)
-    # The short-context rules (fit_config) hold where they were measured: tuned bf16/fp16 configs
-    # at head dims <= 128. Their splits may be as short as one short tile.
-    short_rules = (from_table and not interpreted and q.dtype != torch.float32
-                   and padded_head_dim(head_dim) <= 128)
-    if num_splits == 0:
-        num_splits = pick_num_splits(
-            programs, span, min(config.block_n, tuned.short_block_n) if short_rules else config.block_n, sms,
-            interpreted, page_size=geometry.page_size,
-            min_split_tokens=tuned.min_split_tokens if short_rules else tuned.unmeasured_min_split_tokens,
-            tuned=tuned)
-    if short_rules:
-        config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms, geometry.page_size,
-                            head_dim, waves_for(geometry.page_size, programs, span, sms, tuned), tuned)
-
+    plan = plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, config, tuned,
+                       k_scale is not None, interpreted)
+    num_splits = plan.num_splits
+    seqlen_new = q.shape[1]
     target, target_lse, o_strides, l_strides = split_targets(q, out, lse, num_splits)
     bt, bt_strides = block_table_args(block_table, cache_seqlens)
     mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
     kv_scale, ks_strides = scale_args(k_scale)
     _, vs_strides = scale_args(v_scale)
+    # Arguments named in LENGTH_ARGUMENTS are rebound by rebind_lengths: change them together.
     _launch_decode(
-        (batch * num_kv_heads * num_splits * num_row_tiles,),
+        plan.grid,
         q, k_cache, v_cache, k_scale if kv_scale else q, v_scale if kv_scale else q,
         bt, cache_seqlens, target, target_lse if target_lse is not None else target,
         mods.pop("Slopes"), mods.pop("Sinks"), cache_leftpad if cache_leftpad is not None else cache_seqlens,
@@ -904,16 +930,44 @@ def decode_forward(
         o_strides, l_strides, mods.pop("alibi_strides"), mods.pop("sink_stride"),
         cache_leftpad.stride(0) if cache_leftpad is not None else 0,
         seqlen_new=seqlen_new, appended=appended, capacity=geometry.capacity, num_blocks=geometry.num_blocks,
-        num_kv_heads=num_kv_heads, group=group, num_row_tiles=num_row_tiles, num_splits=num_splits,
+        num_kv_heads=k_cache.shape[2], group=plan.group, num_row_tiles=plan.num_row_tiles, num_splits=num_splits,
         qk_scale=softmax_scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=geometry.page_size,
+        HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
+        BLOCK_M=plan.block_m, BLOCK_N=plan.config.block_n, PAGE_SIZE=geometry.page_size,
         WRITE_LSE=target_lse is not None, HAS_START=cache_leftpad is not None, KV_SCALE=kv_scale,
-        num_warps=_warps_for(config, block_m, head_dim), num_stages=config.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.config.num_stages,
         **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
     )
     if num_splits > 1:
         combine(target, target_lse, out, lse, softmax_scale=softmax_scale)
+
+
+# The decode kernel's arguments that follow a contiguous cache's length (its capacity): the
+# caches' strides, the capacity, and the window bounds clamped to it (Variant.window_args).
+LENGTH_ARGUMENTS = ("k_strides", "v_strides", "capacity", "window_left", "window_right")
+_LENGTH_INDICES = tuple(_decode_kernel.arg_names.index(name) for name in LENGTH_ARGUMENTS)
+
+
+def length_arguments(k_cache: torch.Tensor, v_cache: torch.Tensor, variant: Variant, seqlen_new: int) -> tuple:
+    """The values of :data:`LENGTH_ARGUMENTS` for contiguous caches ``[B, S, Hkv, D]``, as
+    :func:`decode_forward` passes them."""
+    capacity = k_cache.shape[1]
+    return (_strides3(k_cache), _strides3(v_cache), capacity, *variant.window_args(seqlen_new, capacity))
+
+
+def rebind_lengths(replay, lengths: tuple):
+    """``replay`` (the recorded launches of a decode call over a contiguous cache that appended
+    nothing) with :data:`LENGTH_ARGUMENTS` set to ``lengths`` (:func:`length_arguments` of the new
+    caches), or None when its first launch is not this module's decode kernel.
+
+    The caller vouches that everything else of the new call equals the recorded call's: every
+    other argument's layout and value, the :class:`DecodeLaunch`, and Triton's specialization of
+    ``lengths`` (``_launch.runtime_key``), so the rebound launches are those the full path would
+    make.
+    """
+    if not replay.launchers or replay.launchers[0] is not _launch_decode:
+        return None
+    return replay.with_arguments(0, dict(zip(_LENGTH_INDICES, lengths)))
 
 
 def baseline_decode(

@@ -308,3 +308,26 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=N
                                      sinks=sinks, cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale,
                                      tuned=tuned)
     return chosen
+
+
+def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, causal: bool, window_size, softcap: float,
+                         alibi_slopes, sinks, num_splits: int, backend: str, tuned: DecodeTuning | None = None):
+    """For a validated decode call whose recorded launches could serve another cache length:
+    ``(launch, lengths)``, the :class:`decode.DecodeLaunch` it runs and its
+    ``decode.length_arguments``; None for other calls.
+
+    Such a call reads a contiguous cache and appends nothing (transformers' dynamic cache hands
+    over a new, one-token-longer cache every step), on the Triton kernel: ``"auto"`` never takes
+    the Gluon kernel for a contiguous cache, and ``"gluon"`` is left out. Two such calls whose
+    other arguments have equal layouts and values, equal launches and equally specialized length
+    arguments make the same launches but for the length arguments (``decode.rebind_lengths``)."""
+    if (block_table is not None or k_new is not None or (k_scale is not None and k_scale.dim() == 3)
+            or backend == "gluon"):
+        return None
+    if tuned is None:
+        tuned = tuning.decode_tuning(q.device)
+    variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
+    geometry = triton_decode.CacheGeometry.of(k_cache, None)
+    launch = triton_decode.plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, None, tuned,
+                                       k_scale is not None, interpreted())
+    return launch, triton_decode.length_arguments(k_cache, v_cache, variant, q.shape[1])
