@@ -22,7 +22,12 @@ context 1k/4k, contiguous and pages of 16 (cuDNN gets the contiguous cache in it
 ``[B, H, S, D]`` layout); prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256,
 seqlen 512/1k/2k, causal and not. ``--sections compiled``: a 32-layer attention-only decode loop
 (append + attend per layer, B=1 and 8, context 1k) as eager calls, under ``torch.compile`` and
-under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step.
+under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step. ``--sections
+growing``: transformers' dynamic cache, a new ``[B, Hkv, S, D]`` cache one key longer every step
+(passed transposed, with per-sequence lengths and key starts as transformers' integration passes
+them), 4 layers per step, batch 1 and 8 from a 2k context: host time of each step's first call
+(a new length) and of the other layers' calls, medians over 40 steps, against SDPA's cuDNN call on
+the same tensors.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ PREFILL = [(d, s, causal) for d in (64, 128, 256) for s in (512, 1024, 2048) for
 LOOP_CALLS = 200
 GRAPH_CALLS = 20
 LAYERS = 32
+GROWING_LAYERS, GROWING_STEPS, GROWING_CONTEXT = 4, 40, 2048
 
 
 # ---- timers -------------------------------------------------------------------------------------
@@ -224,6 +230,51 @@ def compiled_rows(label: str) -> list[dict]:
     return rows
 
 
+# ---- a cache that grows every step -----------------------------------------------------------
+
+
+def growing_step(batch: int, length: int):
+    """One step's tensors for each layer: ``q [B, Hq, 1, D]``, ``k, v [B, Hkv, S, D]`` (fresh:
+    transformers' dynamic cache concatenates a new tensor each step), spans ``[B, 3]``."""
+    layers = [tuple(torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                    for heads, n in ((HEADS, 1), (KV_HEADS, length), (KV_HEADS, length)))
+              for _ in range(GROWING_LAYERS)]
+    spans = torch.tensor([[0, length, length]] * batch, dtype=torch.int32, device="cuda")
+    return layers, spans
+
+
+def growing_rows(label: str) -> list[dict]:
+    calls = {
+        "flashkernel": lambda q, k, v, spans: flashkernel.flash_attn_with_kvcache(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_seqlens=spans[:, 2],
+            cache_leftpad=spans[:, 0], causal=True),
+        "sdpa_cudnn": lambda q, k, v, spans: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                                              enable_gqa=True),
+    }
+    rows = []
+    for batch in (1, 8):
+        for name, call in calls.items():
+            timer_context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
+            first, rest = [], []
+            with timer_context():
+                for step in range(GROWING_STEPS + 5):
+                    layers, spans = growing_step(batch, GROWING_CONTEXT + step)
+                    torch.cuda.synchronize()
+                    for layer, tensors in enumerate(layers):
+                        start = time.perf_counter()
+                        call(*tensors, spans)
+                        (first if layer == 0 else rest).append((time.perf_counter() - start) * 1e6)
+                    torch.cuda.synchronize()
+            first, rest = first[5:], rest[5 * (GROWING_LAYERS - 1):]  # after 5 warm-up steps
+            row = dict(workload="growing", label=label, provider=name, batch=batch, context=GROWING_CONTEXT,
+                       layers=GROWING_LAYERS, first_call_us=statistics.median(first),
+                       other_calls_us=statistics.median(rest))
+            print(f"growing b={batch} {name:12s} first call {row['first_call_us']:7.1f} us, other layers "
+                  f"{row['other_calls_us']:7.1f} us", flush=True)
+            rows.append(row)
+    return rows
+
+
 def cells(row: dict) -> str:
     def fmt(x):
         return "    -  " if x is None else f"{x:7.1f}"
@@ -234,13 +285,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--label", default="current", help="name of this build in the results")
-    parser.add_argument("--sections", nargs="+", default=["decode", "prefill", "compiled"],
-                        choices=("decode", "prefill", "compiled"))
+    parser.add_argument("--sections", nargs="+", default=["decode", "prefill", "compiled", "growing"],
+                        choices=("decode", "prefill", "compiled", "growing"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for section in args.sections:
-        rows += {"decode": decode_rows, "prefill": prefill_rows, "compiled": compiled_rows}[section](args.label)
+        rows += {"decode": decode_rows, "prefill": prefill_rows, "compiled": compiled_rows,
+                 "growing": growing_rows}[section](args.label)
     doc = dict(command=" ".join(sys.argv), label=args.label, gpu=torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                flashkernel_path=flashkernel.__file__, time=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows)
