@@ -464,33 +464,66 @@ class _Returning:
         return self.replay
 
 
-def test_length_arguments_are_what_the_decode_launch_passes(monkeypatch):
-    """``decode.length_arguments`` (what a rebound replay patches) equals the arguments
-    decode_forward passes at those positions, with and without a window."""
+def _captured_decode(monkeypatch, length, window, **kwargs):
+    """Everything ``decode_forward`` hands to its launches and allocations for a ``[2, length, 2,
+    32]`` contiguous cache (passed transposed): ``(decode arguments, grid and options, combine
+    arguments, allocations)``, and the caches."""
     from flashkernel.kernels import decode
 
-    seen = []
+    seen = {}
 
     def capture(grid, *args, num_warps, num_stages=None, **named):
         names = decode._decode_kernel.arg_names
-        seen.append(args + tuple(named[name] for name in names[len(args):]))
+        seen["decode"] = list(args + tuple(named[name] for name in names[len(args):]))
+        seen["launch"] = (grid, num_warps, num_stages, {k: v for k, v in named.items() if k not in names})
+
+    def allocate(shape, dtype, device):
+        seen.setdefault("allocations", []).append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype, device=device)
 
     monkeypatch.setattr(decode, "_launch_decode", capture)
-    monkeypatch.setattr(decode, "combine", lambda *a, **k: None)
-    for window in ((-1, -1), (5, 0), (100, 0)):
-        q, _, _, _, _, seqlens = _cache_inputs(lengths=(7, 30))
-        k_cache = torch.randn(2, 2, 41, 32, dtype=torch.float16, device=DEVICE).transpose(1, 2)  # [B, S, Hkv, D]
-        v_cache = torch.randn_like(k_cache)
-        out = torch.empty_like(q)
-        decode.decode_forward(q, k_cache, v_cache, seqlens, None, out, None, appended=0, causal=True,
-                              softmax_scale=0.2, window_size=window)
-        variant = decode.Variant.of(True, window, 0.0, None, None)
-        got = tuple(seen[-1][i] for i in decode._LENGTH_INDICES)
-        assert got == decode.length_arguments(k_cache, v_cache, variant, 1)
+    monkeypatch.setattr(decode, "allocate", allocate)
+    monkeypatch.setattr(decode, "combine", lambda parts, lse_parts, out, lse, **k: seen.update(
+        combine=(parts.shape, parts.stride(), lse_parts.shape, lse_parts.stride(), k)))
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    k_cache = torch.randn(2, 2, length, 32, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    v_cache = torch.randn_like(k_cache)
+    decode.decode_forward(q, k_cache, v_cache, torch.tensor([7, length], dtype=torch.int32, device=DEVICE), None,
+                          torch.empty_like(q), None, appended=0, causal=True, softmax_scale=0.2, window_size=window,
+                          **kwargs)
+    return seen, k_cache, v_cache
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (5, 0), (100, 0)])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_only_the_length_arguments_follow_a_contiguous_caches_length(monkeypatch, window, num_splits):
+    """Two lengths of one cache: ``decode.length_arguments`` is what the decode launch takes at
+    ``LENGTH_ARGUMENTS``, and every other argument, the grid and options, the combine's arguments
+    and the allocations are the same (what a rebound replay relies on)."""
+    from flashkernel.kernels import decode
+
+    variant = decode.Variant.of(True, window, 0.0, None, None)
+    first, k1, v1 = _captured_decode(monkeypatch, 41, window, num_splits=num_splits)
+    second, k2, v2 = _captured_decode(monkeypatch, 90, window, num_splits=num_splits)
+    for seen, k_cache, v_cache in ((first, k1, v1), (second, k2, v2)):
+        assert tuple(seen["decode"][i] for i in decode._LENGTH_INDICES) == decode.length_arguments(
+            k_cache, v_cache, variant, 1)
+    for seen in (first, second):
+        for i in decode._LENGTH_INDICES:
+            seen["decode"][i] = None
+    tensors = [i for i, a in enumerate(first["decode"]) if isinstance(a, torch.Tensor)]
+    for i in tensors:  # other tensors: the call's own, compared by role rather than address
+        assert first["decode"][i].shape == second["decode"][i].shape or i in (1, 2)
+        first["decode"][i] = second["decode"][i] = None
+    assert first["decode"] == second["decode"]
+    assert first["launch"] == second["launch"]
+    assert first.get("combine") == second.get("combine") and ("combine" in first) == (num_splits > 1)
+    assert first.get("allocations") == second.get("allocations")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, dict(window_size=(64, 0), softcap=30.0), dict(num_splits=3, return_lse=True)])
+@pytest.mark.parametrize("variant", [{}, dict(window_size=(64, 0), softcap=30.0), dict(num_splits=3, return_lse=True),
+                                     dict(causal=False, window_size=(-1, 3)), dict(alibi=True, sinks=True)])
 def test_a_growing_contiguous_cache_is_served_by_rebound_replays_bit_identical_gpu(monkeypatch, variant):
     """transformers' dynamic cache: every step a new ``[B, Hkv, S, D]`` cache one key longer,
     passed transposed. Every step's first call is served by the previous length's replay with the
@@ -504,13 +537,19 @@ def test_a_growing_contiguous_cache_is_served_by_rebound_replays_bit_identical_g
                         rebound[-1])
     interface._EAGER_CALLS.clear()
     batch, heads, kv_heads, head_dim = 2, 32, 8, 128
-    lengths = list(range(120, 150)) + list(range(1000, 1040)) + [4095, 4096, 4097]
+    variant = dict(variant)
+    if variant.pop("alibi", False):
+        variant["alibi_slopes"] = torch.rand(batch, heads, device="cuda")
+    if variant.pop("sinks", False):
+        variant["sinks"] = torch.randn(heads, device="cuda")
+    variant.setdefault("causal", True)
+    lengths = list(range(40, 80)) + list(range(1000, 1040)) + [4095, 4096, 4097]
     for step, length in enumerate(lengths):
         q = torch.randn(batch, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
         k_cache, v_cache = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.bfloat16,
                                         device="cuda").transpose(1, 2) for _ in range(2))
         spans = torch.tensor([[3, length, length], [0, length - 5, length]], dtype=torch.int32, device="cuda")
-        kwargs = dict(cache_seqlens=spans[:, 2], cache_leftpad=spans[:, 0], causal=True, **variant)
+        kwargs = dict(cache_seqlens=spans[:, 2], cache_leftpad=spans[:, 0], **variant)
         want = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, validate=True, **kwargs)  # no replay
         for _ in range(2):  # the step's first call (rebound or recorded), then a replay of its key
             got = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)

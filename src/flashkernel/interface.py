@@ -584,8 +584,9 @@ def _length_family(key, tensors, scalars):
     launch, lengths = found
     name, key_scalars, types, window, tensor_layouts = key
     caches = tuple((shape[0], shape[2:], *rest) for shape, _, *rest in tensor_layouts[1:3])
+    # The window bounds are not specialized on (the decode kernel's do_not_specialize).
     family = (name, key_scalars, types, window, tensor_layouts[:1] + caches + tensor_layouts[3:], launch,
-              runtime_key(lengths))
+              runtime_key(lengths[:3]))
     return family, lengths
 
 

@@ -447,7 +447,10 @@ class CallCache:
         """The outputs of the replay of ``family`` rebound to this call by ``rebind(replay) ->
         Replay | None`` and run on ``inputs``; None when the family has no replay or ``rebind``
         declines (then the caller takes the full path, :meth:`run` with ``family``)."""
-        base = self._families.get(family)
+        try:
+            base = self._families.get(family)
+        except TypeError:  # an unhashable key: never filed
+            return None
         replay = None if base is None else rebind(base)
         if replay is None:
             return None

@@ -943,7 +943,8 @@ def decode_forward(
 
 
 # The decode kernel's arguments that follow a contiguous cache's length (its capacity): the
-# caches' strides, the capacity, and the window bounds clamped to it (Variant.window_args).
+# caches' strides, the capacity, and the window bounds clamped to it (Variant.window_args; the
+# kernel does not specialize on them).
 LENGTH_ARGUMENTS = ("k_strides", "v_strides", "capacity", "window_left", "window_right")
 _LENGTH_INDICES = tuple(_decode_kernel.arg_names.index(name) for name in LENGTH_ARGUMENTS)
 

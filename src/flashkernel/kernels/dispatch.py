@@ -324,6 +324,8 @@ def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, ca
     if (block_table is not None or k_new is not None or (k_scale is not None and k_scale.dim() == 3)
             or backend == "gluon"):
         return None
+    # decode_backend is not asked (its "auto" gives the Gluon kernel paged caches only): should that
+    # policy change, decode.rebind_lengths still serves only replays of the Triton kernel.
     if tuned is None:
         tuned = tuning.decode_tuning(q.device)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
