@@ -404,9 +404,10 @@ class CallCache:
 
     Families: a caller may also file a replay under a family key, shared by calls that differ
     only in arguments it knows how to rebind (a decode call over a contiguous cache one token
-    longer: the caches' strides and capacity). A call whose own key has no replay yet is then
-    served by :meth:`rebound`: the family's replay with those arguments replaced, filed under
-    the call's key, with no validation, dispatch or recording of its own launches.
+    longer: the caches' strides, the capacity, the window bounds). A call whose own key has no
+    replay yet is then served by :meth:`rebound`: the family's replay with those arguments
+    replaced, filed under the call's key, with no dispatch or recording of its own launches (the
+    caller still validates it).
     """
 
     def __init__(self, max_entries: int = 1024):
