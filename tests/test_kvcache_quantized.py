@@ -182,6 +182,37 @@ def test_float32_queries():
     run_quantized((6, 45), 2, (4, 2), 32, None, torch.float8_e4m3fn, "head", dtype=torch.float32)
 
 
+def at_odd_offset(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a 1-byte ``cache`` one byte into a larger buffer (its data pointer odd)."""
+    buffer = torch.empty(cache.numel() + 1, dtype=torch.uint8, device=cache.device)
+    copy = buffer[1:].view(cache.shape)
+    copy.copy_(cache.view(torch.uint8))
+    return copy.view(cache.dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS.get)
+def test_values_read_as_words_or_as_bytes(fmt):
+    """The kernel reads V two entries at a time where the layout allows (decode.value_operand);
+    a V at an odd address is read byte by byte. Both against the reference, and equal."""
+    from flashkernel.kernels import decode
+
+    lengths, heads, head_dim = (7, 45), (4, 2), 32
+    k_float, v_float, _ = make_cache(lengths, 2, heads[1], head_dim, torch.float32, None)
+    (k_cache, k_scale), (v_cache, v_scale) = quantize(k_float, "head", fmt), quantize(v_float, "head", fmt)
+    v_odd = at_odd_offset(v_cache)
+    assert decode.value_operand(v_cache, True).dtype == torch.int16
+    assert decode.value_operand(v_odd, True) is v_odd
+    q = torch.randn(2, 2, heads[0], head_dim, device=DEVICE).half()
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for v in (v_cache, v_odd):
+        out, lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v, cache_seqlens=cache_seqlens, k_scale=k_scale,
+                                                       v_scale=v_scale, causal=True, num_splits=2, return_lse=True)
+        check_outputs(out, lse, q, k_cache, k_scale, v, v_scale, lengths, None, True, {})
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS.get)
 def test_appended_tokens_saturate_at_the_range_edge(fmt):
     """New values ~50x beyond 448 (int8: 127) times the static scale are stored as the edge."""

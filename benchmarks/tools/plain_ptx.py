@@ -189,7 +189,8 @@ def quantized_cases(decode):
     for cache_name, cache in QUANTIZED.items():
         for scale_name, mode in SCALES.items():
             for label, values, warps, stages in decode_plain_cases():
-                v = {**as_current(values, True), "K": cache, "V": cache, "KScale": "*fp32", "VScale": "*fp32",
+                # V as a launch passes it: int16 words of two entries (decode.value_operand)
+                v = {**as_current(values, True), "K": cache, "V": "*i16", "KScale": "*fp32", "VScale": "*fp32",
                      "KV_SCALE": mode}
                 yield decode._decode_kernel, f"{label} {cache_name} {scale_name}", v, warps, stages
             for label, values, warps, stages in append_plain_cases():

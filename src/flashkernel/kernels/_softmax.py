@@ -215,26 +215,39 @@ def unmasked_run(lo, hi, first_pos, last_pos, window_left, window_right, BLOCK_N
 
 
 @triton.jit
-def accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  V_PAIRS: tl.constexpr = False):
     """``acc * alpha + P V``. With ``V_COLS`` (a quantized cache's per-token V scales) key ``j``'s
     value row is ``v_cols[j] * v_tile * v[j]``: ``v_cols <= 1`` scales P's columns before the
-    product (P stays in ``[0, 1]`` in V's dtype) and the tile's ``v_tile`` the product."""
-    acc = acc * alpha[:, None]
-    if V_COLS:
-        acc += tl.dot((p * v_cols[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION) * v_tile
+    product (P stays in ``[0, 1]`` in V's dtype) and the tile's ``v_tile`` the product.
+    With ``V_PAIRS``, ``v`` and ``acc`` are pairs ``(even columns, odd columns)`` of V and of the
+    output (a 1-byte cache read two entries at a time, ``decode._value_pairs``)."""
+    if V_PAIRS:
+        if V_COLS:
+            pv = (p * v_cols[None, :]).to(v[0].dtype)
+            acc = (acc[0] * alpha[:, None] + tl.dot(pv, v[0], input_precision=DOT_PRECISION) * v_tile,
+                   acc[1] * alpha[:, None] + tl.dot(pv, v[1], input_precision=DOT_PRECISION) * v_tile)
+        else:
+            pv = p.to(v[0].dtype)
+            acc = (tl.dot(pv, v[0], acc[0] * alpha[:, None], input_precision=DOT_PRECISION),
+                   tl.dot(pv, v[1], acc[1] * alpha[:, None], input_precision=DOT_PRECISION))
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None]
+        if V_COLS:
+            acc += tl.dot((p * v_cols[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION) * v_tile
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
 def softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False):
+                        v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False, V_PAIRS: tl.constexpr = False):
     """Online-softmax update for raw scores ``qk`` (the scale is folded into the exponent).
 
     ``m_i`` is the running row max in log2 units. With ``MASKED`` some scores may be -inf and a
     row may have seen no key yet (``m = -inf``): subtract 0 there so exp2 gives 0, not NaN.
-    ``v_cols``, ``v_tile``, ``V_COLS``: :func:`accumulate_pv`.
+    ``v_cols``, ``v_tile``, ``V_COLS``, ``V_PAIRS``: :func:`accumulate_pv`.
     """
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:
@@ -244,13 +257,13 @@ def softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED: tl.constexpr, DO
     p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
     alpha = tl.math.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS, DOT_PRECISION)
+    acc = accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS, DOT_PRECISION, V_PAIRS)
     return acc, l_i, m_new
 
 
 @triton.jit
 def softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False):
+                 v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False, V_PAIRS: tl.constexpr = False):
     """Online-softmax update for scores ``s`` already in log2 units (score modifiers applied)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
@@ -260,7 +273,7 @@ def softmax_step(acc, l_i, m_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.co
     p = tl.math.exp2(s - m_new_safe[:, None])
     alpha = tl.math.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS, DOT_PRECISION)
+    acc = accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS, DOT_PRECISION, V_PAIRS)
     return acc, l_i, m_new
 
 
@@ -269,13 +282,14 @@ def attend_scores(acc, l_i, m_i, qk, v, row_pos, keys, length, qk_scale,
                   window_left, window_right, softcap_in, softcap_out, alibi_rows,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False):
+                  v_cols=0.0, v_tile=1.0, V_COLS: tl.constexpr = False, V_PAIRS: tl.constexpr = False):
     """A tile's raw scores ``qk = q.k^T`` -> modifiers, mask, one online-softmax step.
 
     Shared by prefill and decode. ``row_pos [M]`` are the rows' positions (``i + Sk - Sq``),
     ``keys [N]`` the tile's key indices, ``length`` the keys that exist. Without softcap/ALiBi
     the scale stays folded into the exp2 (:func:`softmax_step_scaled`); masks only when ``MASKED``.
-    ``v_cols``, ``v_tile``, ``V_COLS`` (decode over a quantized cache): :func:`accumulate_pv`.
+    ``v_cols``, ``v_tile``, ``V_COLS``, ``V_PAIRS`` (decode over a quantized cache):
+    :func:`accumulate_pv`.
     """
     if HAS_SOFTCAP or HAS_ALIBI:
         s = modified_scores(qk, row_pos, keys, qk_scale, softcap_in, softcap_out, alibi_rows,
@@ -283,11 +297,12 @@ def attend_scores(acc, l_i, m_i, qk, v, row_pos, keys, length, qk_scale,
         if MASKED:
             visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
             s = tl.where(visible, s, float("-inf"))
-        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION, v_cols, v_tile, V_COLS)
+        acc, l_i, m_new = softmax_step(acc, l_i, m_i, s, v, MASKED, DOT_PRECISION, v_cols, v_tile, V_COLS,
+                                       V_PAIRS)
     else:
         if MASKED:
             visible = visible_keys(row_pos, keys, length, window_left, window_right, CAUSAL, HAS_WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
         acc, l_i, m_new = softmax_step_scaled(acc, l_i, m_i, qk, qk_scale, v, MASKED, DOT_PRECISION, v_cols, v_tile,
-                                              V_COLS)
+                                              V_COLS, V_PAIRS)
     return acc, l_i, m_new

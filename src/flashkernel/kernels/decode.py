@@ -118,8 +118,58 @@ def _cache_values(x, dtype: tl.constexpr):
     dtype; int8 to float16 with integer arithmetic (the float16 ``1152 + x`` holds ``x + 128``
     in its low mantissa bits; ``I2F`` runs at a quarter of the ALU rate)."""
     if x.dtype == tl.int8 and dtype == tl.float16:
-        return (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+        if _PTX_INDEX_LOADS:  # four entries per step: one xor, two byte permutes, two subtractions
+            return tl.inline_asm_elementwise(
+                """{ .reg .b32 t, e, b;
+                xor.b32 t, $2, 0x80808080; mov.b32 e, 0x64646464; mov.b32 b, 0x64806480;
+                prmt.b32 $0, t, e, 0x4140; prmt.b32 $1, t, e, 0x4342;
+                sub.rn.f16x2 $0, $0, b; sub.rn.f16x2 $1, $1, b; }""",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
     return x.to(dtype)
+
+
+@triton.jit
+def _value_pairs(words, FORMAT: tl.constexpr, dtype: tl.constexpr):
+    """``(even, odd)``: a 1-byte cache's entries read as int16 words (word ``j`` of a row holds
+    entries ``2j`` and ``2j + 1``), as ``dtype`` (float16, or float32 queries'), each of the
+    words' shape; ``FORMAT`` is the cache's dtype (float8_e4m3fn or int8).
+
+    Why words: ``P V`` needs V transposed into the MMA's operand layout. With 16-bit elements
+    Triton does that with ``ldmatrix.trans`` (a whole 8x8 block per instruction); 8-bit elements
+    it gathers byte by byte from shared memory. Read as words, V is transposed in 16-bit units,
+    and the two entries of each word feed two products, of V's even and of its odd columns.
+    On the GPU one ``prmt`` per two words and one conversion per output pair; the interpreter
+    (no inline PTX) takes the same values through bit operations.
+    """
+    if _PTX_INDEX_LOADS:
+        # $2 packs words w0, w1 (bytes a0 b0 a1 b1); even = (a0, a1), odd = (b0, b1).
+        if FORMAT == tl.float8e4nv:
+            even, odd = tl.inline_asm_elementwise(
+                """{ .reg .b32 t, z; .reg .b16 lo, hi;
+                mov.b32 z, 0; prmt.b32 t, $2, z, 0x3120; mov.b32 {lo, hi}, t;
+                cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }""",
+                "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        else:
+            # int8 x -> the float16 1024 + (x + 128) (bits 0x64, x ^ 0x80), minus 1152.
+            even, odd = tl.inline_asm_elementwise(
+                """{ .reg .b32 t, e, b;
+                xor.b32 t, $2, 0x80808080; mov.b32 e, 0x64646464; mov.b32 b, 0x64806480;
+                prmt.b32 $0, t, e, 0x4240; prmt.b32 $1, t, e, 0x4341;
+                sub.rn.f16x2 $0, $0, b; sub.rn.f16x2 $1, $1, b; }""",
+                "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        bits = words.to(tl.uint16, bitcast=True)
+        low = (bits & 0xFF).to(tl.uint8)
+        high = (bits >> 8).to(tl.uint8)
+        if FORMAT == tl.float8e4nv:
+            even = low.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            odd = high.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            even = _cache_values(low.to(tl.int8, bitcast=True), tl.float16)
+            odd = _cache_values(high.to(tl.int8, bitcast=True), tl.float16)
+    return even.to(dtype), odd.to(dtype)
 
 
 @triton.jit
@@ -212,23 +262,34 @@ def _attend_cache_tile(
     keys = start_n + offs_n
     block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks, key_start,
                               PAGE_SIZE, BLOCK_N, HAS_START)
+    V_PAIRS: tl.constexpr = V.dtype.element_ty == tl.int16
+    if V_PAIRS:  # a 1-byte cache's V as int16 words (_value_pairs): strides count words
+        offs_v = tl.arange(0, BLOCK_D // 2)
+        v_cols_exist = HEAD_DIM // 2
+    else:
+        offs_v = offs_d
+        v_cols_exist = HEAD_DIM
     k_ptrs = K + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
-    v_ptrs = V + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+    v_ptrs = V + (block * stride_vb + slot * stride_vs)[:, None] + offs_v[None, :]
     if MASKED:
-        kv_mask = keys[:, None] < length
+        k_mask = keys[:, None] < length
+        v_mask = keys[:, None] < length
         if BLOCK_D != HEAD_DIM:
-            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
+            v_mask = v_mask & (offs_v[None, :] < v_cols_exist)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     elif BLOCK_D != HEAD_DIM:
-        d_mask = offs_d[None, :] < HEAD_DIM
-        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_v[None, :] < v_cols_exist, other=0.0)
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     k = _cache_values(k, q.dtype)
-    v = _cache_values(v, q.dtype)
+    if V_PAIRS:
+        v = _value_pairs(v, K.dtype.element_ty, q.dtype)
+    else:
+        v = _cache_values(v, q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if KV_SCALE == 2:
         ks_ptrs = KScale + block * stride_ksb + slot * stride_kss
@@ -249,7 +310,7 @@ def _attend_cache_tile(
     return attend_scores(acc, l_i, m_i, qk, v, row_token + causal_shift, keys, length, qk_scale,
                          window_left, window_right, softcap_in, softcap_out, alibi_rows,
                          MASKED, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                         v_cols, v_tile, KV_SCALE == 2)
+                         v_cols, v_tile, KV_SCALE == 2, V_PAIRS)
 
 
 @triton.jit
@@ -383,7 +444,10 @@ def _decode_program(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if V.dtype.element_ty == tl.int16:  # V's even and odd columns (_value_pairs)
+        acc = (tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32))
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, l_i, m_i = _attend_cache_tile(
@@ -413,6 +477,8 @@ def _decode_program(
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START, KV_SCALE,
         )
 
+    if V.dtype.element_ty == tl.int16:
+        acc = tl.join(acc[0], acc[1]).reshape(BLOCK_M, BLOCK_D)
     if KV_SCALE == 1:
         acc = acc * tl.load(VScale)
     _store_rows(
@@ -760,6 +826,16 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
     return s[0], s[1], s[2]
 
 
+def value_operand(v_cache: torch.Tensor, quantized: bool) -> torch.Tensor:
+    """V as the decode kernel reads it: a 1-byte cache as int16 words, two entries each
+    (:func:`_value_pairs`), where its layout allows (even head dim, unit last stride, even
+    strides and offset); otherwise, and for a cache in q's dtype, ``v_cache`` itself."""
+    if (not quantized or v_cache.element_size() != 1 or v_cache.stride(-1) != 1 or v_cache.shape[-1] % 2
+            or v_cache.storage_offset() % 2 or any(stride % 2 for stride in v_cache.stride()[:-1])):
+        return v_cache
+    return v_cache.view(torch.int16)
+
+
 NO_SCALE = (0, (0, 0, 0))
 
 
@@ -919,13 +995,14 @@ def decode_forward(
     mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
     kv_scale, ks_strides = scale_args(k_scale)
     _, vs_strides = scale_args(v_scale)
+    v_operand = value_operand(v_cache, kv_scale != 0)
     # Arguments named in LENGTH_ARGUMENTS are rebound by rebind_lengths: change them together.
     _launch_decode(
         plan.grid,
-        q, k_cache, v_cache, k_scale if kv_scale else q, v_scale if kv_scale else q,
+        q, k_cache, v_operand, k_scale if kv_scale else q, v_scale if kv_scale else q,
         bt, cache_seqlens, target, target_lse if target_lse is not None else target,
         mods.pop("Slopes"), mods.pop("Sinks"), cache_leftpad if cache_leftpad is not None else cache_seqlens,
-        _strides3(q), _strides3(k_cache), _strides3(v_cache), ks_strides, vs_strides, bt_strides,
+        _strides3(q), _strides3(k_cache), _strides3(v_operand), ks_strides, vs_strides, bt_strides,
         cache_seqlens.stride(0),
         o_strides, l_strides, mods.pop("alibi_strides"), mods.pop("sink_stride"),
         cache_leftpad.stride(0) if cache_leftpad is not None else 0,
@@ -949,11 +1026,13 @@ LENGTH_ARGUMENTS = ("k_strides", "v_strides", "capacity", "window_left", "window
 _LENGTH_INDICES = tuple(_decode_kernel.arg_names.index(name) for name in LENGTH_ARGUMENTS)
 
 
-def length_arguments(k_cache: torch.Tensor, v_cache: torch.Tensor, variant: Variant, seqlen_new: int) -> tuple:
+def length_arguments(k_cache: torch.Tensor, v_cache: torch.Tensor, variant: Variant, seqlen_new: int,
+                     quantized: bool = False) -> tuple:
     """The values of :data:`LENGTH_ARGUMENTS` for contiguous caches ``[B, S, Hkv, D]``, as
-    :func:`decode_forward` passes them."""
+    :func:`decode_forward` passes them (``quantized``: 1-byte caches with scales)."""
     capacity = k_cache.shape[1]
-    return (_strides3(k_cache), _strides3(v_cache), capacity, *variant.window_args(seqlen_new, capacity))
+    return (_strides3(k_cache), _strides3(value_operand(v_cache, quantized)), capacity,
+            *variant.window_args(seqlen_new, capacity))
 
 
 def rebind_lengths(replay, lengths: tuple):

@@ -321,9 +321,12 @@ def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, ca
     the Gluon kernel for a contiguous cache, and ``"gluon"`` is left out. Two such calls whose
     other arguments have equal layouts and values, equal launches and equally specialized length
     arguments make the same launches but for the length arguments (``decode.rebind_lengths``)."""
-    if (block_table is not None or k_new is not None or (k_scale is not None and k_scale.dim() == 3)
+    quantized = k_scale is not None
+    if (block_table is not None or k_new is not None or (quantized and k_scale.dim() == 3)
             or backend == "gluon"):
         return None
+    if quantized and triton_decode.value_operand(v_cache, True) is v_cache:
+        return None  # V read byte-wise: whether it is depends on strides the family leaves out
     # decode_backend is not asked (its "auto" gives the Gluon kernel paged caches only): should that
     # policy change, decode.rebind_lengths still serves only replays of the Triton kernel.
     if tuned is None:
@@ -331,5 +334,5 @@ def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, ca
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     geometry = triton_decode.CacheGeometry.of(k_cache, None)
     launch = triton_decode.plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, None, tuned,
-                                       k_scale is not None, interpreted())
-    return launch, triton_decode.length_arguments(k_cache, v_cache, variant, q.shape[1])
+                                       quantized, interpreted())
+    return launch, triton_decode.length_arguments(k_cache, v_cache, variant, q.shape[1], quantized)
