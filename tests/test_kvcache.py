@@ -289,6 +289,11 @@ def test_auto_splits_depend_on_shapes_only():
     assert decode.pick_num_splits(programs=8, capacity=131072, block_n=64, sms=132, interpreted=False,
                                   page_size=256) == 16
     assert decode.pick_num_splits(programs=512, capacity=131072, block_n=64, sms=132, interpreted=False) == 1
+    # Contiguous 1-byte caches: two programs per SM (the tuning's quantized_contiguous_waves).
+    assert decode.pick_num_splits(programs=64, capacity=131072, block_n=128, sms=132, interpreted=False,
+                                  quantized=True) == 4
+    assert decode.pick_num_splits(programs=8, capacity=131072, block_n=128, sms=132, interpreted=False,
+                                  page_size=16, quantized=True) == 33
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 8
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=128, sms=132, interpreted=False) == 4
     # Outside the measured short-context regime (head dim > 128, fp32, explicit configs).

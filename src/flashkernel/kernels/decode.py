@@ -783,18 +783,20 @@ def attended_span(variant: Variant, capacity: int, seqlen_new: int, tile_tokens:
     return min(capacity, left + min(tile_tokens, seqlen_new) + right + block_n)
 
 
-def waves_for(page_size: int, programs: int, capacity: int, sms: int, tuned: DecodeTuning | None = None) -> int:
-    """Programs per SM the automatic split count aims for (``page_size`` 0: contiguous)."""
+def waves_for(page_size: int, programs: int, capacity: int, sms: int, tuned: DecodeTuning | None = None,
+              quantized: bool = False) -> int:
+    """Programs per SM the automatic split count aims for (``page_size`` 0: contiguous;
+    ``quantized``: a 1-byte cache)."""
     tuned = tuned or tuning.decode_tuning(None)
     if page_size == 0 or page_size >= tuned.large_page:
-        return 1
+        return tuned.quantized_contiguous_waves if quantized else 1
     two_wave_splits = max(1, (2 * sms) // max(programs, 1))
     return 2 if capacity // two_wave_splits >= tuned.small_page_two_wave_tokens else 1
 
 
 def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interpreted: bool,
                     page_size: int = 0, min_split_tokens: int | None = None,
-                    tuned: DecodeTuning | None = None) -> int:
+                    tuned: DecodeTuning | None = None, quantized: bool = False) -> int:
     """Splits for ``programs`` (batch x kv heads x row tiles) programs: a wave or two per SM.
 
     Depends on shapes only (no look at the lengths, so no host sync). Each split gets at least
@@ -803,7 +805,7 @@ def pick_num_splits(programs: int, capacity: int, block_n: int, sms: int, interp
     tuned = tuned or tuning.decode_tuning(None)
     if min_split_tokens is None:
         min_split_tokens = tuned.min_split_tokens
-    waves = waves_for(page_size, programs, capacity, sms, tuned)
+    waves = waves_for(page_size, programs, capacity, sms, tuned, quantized)
     # Round down: one program past a whole wave costs a second, nearly empty wave (a decode
     # program holds a whole SM's shared memory). B=1, 131k: 17 splits x 8 = 136 programs on 132
     # SMs ran at 2.75 TB/s, 16 splits at 3.92.
@@ -919,10 +921,10 @@ def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, var
             programs, span, min(config.block_n, tuned.short_block_n) if short_rules else config.block_n, sms,
             interpreted, page_size=geometry.page_size,
             min_split_tokens=tuned.min_split_tokens if short_rules else tuned.unmeasured_min_split_tokens,
-            tuned=tuned)
+            tuned=tuned, quantized=quantized)
     if short_rules:
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms, geometry.page_size,
-                            head_dim, waves_for(geometry.page_size, programs, span, sms, tuned), tuned)
+                            head_dim, waves_for(geometry.page_size, programs, span, sms, tuned, quantized), tuned)
     return DecodeLaunch(config, group, block_m, num_row_tiles, num_splits, _warps_for(config, block_m, head_dim),
                       (programs * num_splits,))
 

@@ -239,7 +239,8 @@ class DecodeTuning:
     ``large_page`` keys use the contiguous table (one look-up per tile); ``small_pages``; the
     same two for 1-byte (quantized) caches, ``quantized_contiguous`` and ``quantized_small_pages``.
     Rules: automatic splits aim for one program per SM, over small pages two once each split
-    still reads ``small_page_two_wave_tokens`` keys; each split gets at least
+    still reads ``small_page_two_wave_tokens`` keys, over contiguous 1-byte caches
+    ``quantized_contiguous_waves``; each split gets at least
     ``min_split_tokens`` of the capacity where the short-context rules were measured (bf16/fp16,
     head dim <= 128), ``unmeasured_min_split_tokens`` elsewhere, and at most
     ``max_auto_splits`` splits; splits of at most ``short_split_tokens`` keys use
@@ -254,6 +255,7 @@ class DecodeTuning:
     small_pages: dict
     quantized_contiguous: dict
     quantized_small_pages: dict
+    quantized_contiguous_waves: int
     large_page: int
     small_page_two_wave_tokens: int
     min_split_tokens: int
@@ -294,6 +296,7 @@ class DecodeTuning:
             contiguous=table(triton_part["contiguous"]), small_pages=table(triton_part["small_pages"]),
             quantized_contiguous=table(triton_part["quantized"]["contiguous"]),
             quantized_small_pages=table(triton_part["quantized"]["small_pages"]),
+            quantized_contiguous_waves=triton_part["quantized"]["contiguous_waves"],
             large_page=triton_part["large_page"],
             small_page_two_wave_tokens=rules["small_page_two_wave_tokens"],
             min_split_tokens=rules["min_split_tokens"],
