@@ -42,7 +42,9 @@ KV head beside each slot (``KV_SCALE`` 2). The append kernel quantizes the new t
 from the token and stored). The decode kernel computes in fp16 (:func:`_queries_as_f16`,
 :func:`_cache_values`: exact conversions), folds scales per KV head into the scores' scale and
 the output, and applies per-token scales to the columns of ``q k^T`` and of P
-(``_softmax.accumulate_pv``). A cache in q's dtype compiles none of it.
+(``_softmax.accumulate_pv``). V arrives as int16 words of two entries (:func:`value_operand`)
+and feeds two products of half the head dim, its even and its odd columns
+(:func:`_value_pairs`), joined once at the end. A cache in q's dtype compiles none of it.
 
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]``, starts to
 ``[0, length]``, and page indices read from the block table to ``[0, num_blocks)``, so bad
