@@ -450,6 +450,15 @@ def test_head_dims_and_groups_gpu(fmt, heads, head_dim, granularity):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 72])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS.get)
+def test_small_and_padded_head_dims_gpu(fmt, head_dim, page_size):
+    """V read as words (decode.value_operand): halves of 4 to 36 words, masked past the head dim."""
+    run_quantized(GPU_LENGTHS, 2, (8, 2), head_dim, page_size, fmt, "head", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_new", range(1, 9))
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
 def test_new_tokens_and_splits_gpu(num_splits, seqlen_new):
