@@ -37,9 +37,13 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "load_config", tiny_config)
     plan = e2e.Plan(models=("llama3-8b",), compiled_models=(), prefill_tokens=20, prompt=12, new_tokens=3,
                     batches=(2,), requests=3, request_prompts=(5, 20), request_new_tokens=3, accuracy_prompt=20,
-                    greedy_tokens=3, repeats=1, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
+                    greedy_tokens=3, repeats=1, generate_rounds=2, dtype="float32",
+                    device="cuda" if torch.cuda.is_available() else "cpu")
     rows = e2e.run(plan)
     assert all(r["status"] == "ok" for r in rows), [r.get("message") for r in rows]
+    for r in rows:
+        if r["section"] == "generate eager dynamic":  # every provider timed in each round
+            assert r["runs"] == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
     sections = {(r["section"], r["provider"]) for r in rows}
     for section in ("accuracy", "prefill", "generate eager dynamic"):
         assert {(section, "fk_attention"), (section, "sdpa")} <= sections

@@ -23,8 +23,9 @@ Sections (each measured after a warm-up that compiles what it needs):
   model's choice (random weights give flat logits, whose near-ties bf16 rounding flips).
 * ``prefill``: one forward of batch 1 x 8k tokens (logits of the last token only), ms.
 * ``generate``: ``model.generate`` at batch 1 and 8, 2k-token prompts, 256 new tokens (greedy,
-  no stop token), tokens/s over the whole call; eager with the dynamic cache, and compiled with
-  the static cache (transformers' default ``CompileConfig``: ``torch.compile`` of the decode step,
+  no stop token), tokens/s over the whole call (median); eager with the dynamic cache (the
+  providers alternate over five rounds: the host's speed drifts between runs by more than the
+  rows differ), and compiled with the static cache (transformers' default ``CompileConfig``: ``torch.compile`` of the decode step,
   ``mode="reduce-overhead"``; compile time reported apart).
 * ``batching``: ``model.generate_batch`` (continuous batching) of 64 requests, prompts of 128 to
   2048 tokens, 256 new tokens each: ``paged|fk_attention`` against ``paged|sdpa`` (and the
@@ -74,12 +75,14 @@ class Plan:
     accuracy_prompt: int = 512
     greedy_tokens: int = 32
     repeats: int = 2
+    generate_rounds: int = 5  # eager generate: rounds of every provider, alternating
     dtype: str = "bfloat16"
     device: str = "cuda"
 
 
 QUICK = Plan(models=("llama3-8b",), prefill_tokens=2048, prompt=1024, new_tokens=64, compiled_batches=(1,),
-             requests=16, request_prompts=(128, 1024), request_new_tokens=64, accuracy_prompt=256, repeats=1)
+             requests=16, request_prompts=(128, 1024), request_new_tokens=64, accuracy_prompt=256, repeats=1,
+             generate_rounds=2)
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -272,37 +275,62 @@ def prefill_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
 def generate_rows(name, model, providers, plan: Plan, generator, compiled: bool) -> list[dict]:
     """tokens/s of ``model.generate``: eager with the dynamic cache, or compiled with the static
     cache (the compiled call is rebuilt for each provider; its first call's time is reported as
-    ``compile_s``)."""
+    ``compile_s``). Eager runs alternate the providers over ``plan.generate_rounds`` rounds (one
+    warm-up each first, the order reversed every other round), so a drift of the host's speed
+    falls on every provider alike; rows carry the median and the fastest and slowest round."""
     import torch
-    import transformers
 
     rows = []
     for batch in (plan.compiled_batches if compiled else plan.batches):
         ids, mask = random_prompts(model, batch, plan.prompt, generator)
-        for provider in providers:
+        case = dict(model=name, case=f"b={batch} prompt {plan.prompt} +{plan.new_tokens}", batch=batch,
+                    prompt=plan.prompt, new_tokens=plan.new_tokens)
+        if compiled:
+            for provider in providers:
+                run = _generate_call(model, provider, ids, mask, plan, compiled=True)
+                first = timed(run, 1)[0]
+                seconds = timed(run, plan.repeats)
+                rows.append(_generate_row(case, provider, seconds, "generate compiled static",
+                                          compile_s=first - statistics.median(seconds)))
+            continue
+        runs = {provider: _generate_call(model, provider, ids, mask, plan, compiled=False) for provider in providers}
+        seconds = {provider: [] for provider in providers}
+        for provider, run in runs.items():
             use(model, provider)
-            kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=plan.new_tokens,
-                          min_new_tokens=plan.new_tokens)
-            if compiled:
-                torch._dynamo.reset()
-                model.__dict__.pop("_compiled_call", None)
-                kwargs.update(cache_implementation="static", compile_config=transformers.CompileConfig())
-            else:
-                kwargs.update(disable_compile=True)
-            run = lambda: model.generate(ids, **kwargs)  # noqa: E731
-            first = timed(run, 1)[0]
-            seconds = timed(run, plan.repeats)
-            row = dict(section="generate compiled static" if compiled else "generate eager dynamic", model=name,
-                       case=f"b={batch} prompt {plan.prompt} +{plan.new_tokens}", provider=provider, batch=batch,
-                       prompt=plan.prompt, new_tokens=plan.new_tokens, median_ms=statistics.median(seconds) * 1e3,
-                       tokens_per_s=batch * plan.new_tokens / statistics.median(seconds))
-            if compiled:
-                row["compile_s"] = first - statistics.median(seconds)
-            rows.append(row)
+            run()  # warm-up
+        for round_ in range(plan.generate_rounds):
+            for provider in (providers if round_ % 2 == 0 else providers[::-1]):
+                use(model, provider)
+                seconds[provider] += timed(runs[provider], 1)
+        rows += [_generate_row(case, provider, seconds[provider], "generate eager dynamic") for provider in providers]
     if compiled:
         torch._dynamo.reset()
         model.__dict__.pop("_compiled_call", None)
     return rows
+
+
+def _generate_call(model, provider: str, ids, mask, plan: Plan, compiled: bool):
+    """``model.generate`` of ``plan.new_tokens`` tokens with ``provider``'s attention (set now)."""
+    import torch
+    import transformers
+
+    use(model, provider)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=plan.new_tokens,
+                  min_new_tokens=plan.new_tokens)
+    if compiled:
+        torch._dynamo.reset()
+        model.__dict__.pop("_compiled_call", None)
+        kwargs.update(cache_implementation="static", compile_config=transformers.CompileConfig())
+    else:
+        kwargs.update(disable_compile=True)
+    return lambda: model.generate(ids, **kwargs)
+
+
+def _generate_row(case: dict, provider: str, seconds: list[float], section: str, **extra) -> dict:
+    median = statistics.median(seconds)
+    return dict(section=section, **case, provider=provider, median_ms=median * 1e3,
+                min_ms=min(seconds) * 1e3, max_ms=max(seconds) * 1e3, runs=len(seconds),
+                tokens_per_s=case["batch"] * case["new_tokens"] / median, **extra)
 
 
 def batching_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
