@@ -294,6 +294,8 @@ def test_auto_splits_depend_on_shapes_only():
                                   quantized=True) == 4
     assert decode.pick_num_splits(programs=8, capacity=131072, block_n=128, sms=132, interpreted=False,
                                   page_size=16, quantized=True) == 33
+    assert decode.pick_num_splits(programs=64, capacity=131072, block_n=128, sms=132, interpreted=False,
+                                  page_size=256, quantized=True) == 2
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=64, sms=132, interpreted=False) == 8
     assert decode.pick_num_splits(programs=8, capacity=512, block_n=128, sms=132, interpreted=False) == 4
     # Outside the measured short-context regime (head dim > 128, fp32, explicit configs).

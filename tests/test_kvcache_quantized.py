@@ -202,6 +202,10 @@ def test_values_read_as_words_or_as_bytes(fmt):
     v_odd = at_odd_offset(v_cache)
     assert decode.value_operand(v_cache, True).dtype == torch.int16
     assert decode.value_operand(v_odd, True) is v_odd
+    # An odd address at storage offset 0 (memory from elsewhere) is read byte by byte too.
+    raw = torch.frombuffer(bytearray(v_cache.numel() + 1), dtype=torch.uint8, offset=1)
+    assert raw.storage_offset() == 0 and raw.data_ptr() % 2 == 1
+    assert decode.value_operand(raw.view(v_cache.shape).view(fmt), True).dtype == fmt
     q = torch.randn(2, 2, heads[0], head_dim, device=DEVICE).half()
     cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     outs = []

@@ -42,9 +42,9 @@ KV head beside each slot (``KV_SCALE`` 2). The append kernel quantizes the new t
 from the token and stored). The decode kernel computes in fp16 (:func:`_queries_as_f16`,
 :func:`_cache_values`: exact conversions), folds scales per KV head into the scores' scale and
 the output, and applies per-token scales to the columns of ``q k^T`` and of P
-(``_softmax.accumulate_pv``). V arrives as int16 words of two entries (:func:`value_operand`)
-and feeds two products of half the head dim, its even and its odd columns
-(:func:`_value_pairs`), joined once at the end. A cache in q's dtype compiles none of it.
+(``_softmax.accumulate_pv``). V arrives as int16 words of two entries (:func:`value_operand`;
+byte by byte where its layout does not allow words) and feeds two products of half the head
+dim, its even and its odd columns (:func:`_value_pairs`), joined once at the end. A cache in q's dtype compiles none of it.
 
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]``, starts to
 ``[0, length]``, and page indices read from the block table to ``[0, num_blocks)``, so bad
@@ -790,8 +790,10 @@ def waves_for(page_size: int, programs: int, capacity: int, sms: int, tuned: Dec
     """Programs per SM the automatic split count aims for (``page_size`` 0: contiguous;
     ``quantized``: a 1-byte cache)."""
     tuned = tuned or tuning.decode_tuning(None)
-    if page_size == 0 or page_size >= tuned.large_page:
+    if page_size == 0:
         return tuned.quantized_contiguous_waves if quantized else 1
+    if page_size >= tuned.large_page:
+        return 1
     two_wave_splits = max(1, (2 * sms) // max(programs, 1))
     return 2 if capacity // two_wave_splits >= tuned.small_page_two_wave_tokens else 1
 
@@ -833,9 +835,10 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
 def value_operand(v_cache: torch.Tensor, quantized: bool) -> torch.Tensor:
     """V as the decode kernel reads it: a 1-byte cache as int16 words, two entries each
     (:func:`_value_pairs`), where its layout allows (even head dim, unit last stride, even
-    strides and offset); otherwise, and for a cache in q's dtype, ``v_cache`` itself."""
+    strides, an even address); otherwise, and for a cache in q's dtype, ``v_cache`` itself
+    (read byte by byte)."""
     if (not quantized or v_cache.element_size() != 1 or v_cache.stride(-1) != 1 or v_cache.shape[-1] % 2
-            or v_cache.storage_offset() % 2 or any(stride % 2 for stride in v_cache.stride()[:-1])):
+            or v_cache.data_ptr() % 2 or any(stride % 2 for stride in v_cache.stride()[:-1])):
         return v_cache
     return v_cache.view(torch.int16)
 

@@ -239,8 +239,8 @@ class DecodeTuning:
     ``large_page`` keys use the contiguous table (one look-up per tile); ``small_pages``; the
     same two for 1-byte (quantized) caches, ``quantized_contiguous`` and ``quantized_small_pages``.
     Rules: automatic splits aim for one program per SM, over small pages two once each split
-    still reads ``small_page_two_wave_tokens`` keys, over contiguous 1-byte caches
-    ``quantized_contiguous_waves``; each split gets at least
+    still reads ``small_page_two_wave_tokens`` keys, over contiguous 1-byte caches (not large
+    pages: not measured) ``quantized_contiguous_waves``; each split gets at least
     ``min_split_tokens`` of the capacity where the short-context rules were measured (bf16/fp16,
     head dim <= 128), ``unmeasured_min_split_tokens`` elsewhere, and at most
     ``max_auto_splits`` splits; splits of at most ``short_split_tokens`` keys use
