@@ -44,7 +44,8 @@ from the token and stored). The decode kernel computes in fp16 (:func:`_queries_
 the output, and applies per-token scales to the columns of ``q k^T`` and of P
 (``_softmax.accumulate_pv``). V arrives as int16 words of two entries (:func:`value_operand`;
 byte by byte where its layout does not allow words) and feeds two products of half the head
-dim, its even and its odd columns (:func:`_value_pairs`), joined once at the end. A cache in q's dtype compiles none of it.
+dim, its even and its odd columns (:func:`_value_pairs`), joined once at the end. A cache in
+q's dtype compiles none of it.
 
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]``, starts to
 ``[0, length]``, and page indices read from the block table to ``[0, num_blocks)``, so bad
@@ -104,14 +105,14 @@ def _load_page_index(ptrs):
     Being pure, it is also run unguarded for pipelined iterations that never happen (tiles past
     a split's end): callers must pass addresses inside the table whatever the key.
     """
-    if _PTX_INDEX_LOADS:
+    if _INLINE_PTX:
         return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.load(ptrs)
 
 
-_PTX_INDEX_LOADS = tl.constexpr(not is_interpreted(_load_page_index))  # no PTX in the interpreter
+_INLINE_PTX = tl.constexpr(not is_interpreted(_load_page_index))  # the interpreter runs no PTX
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def _cache_values(x, dtype: tl.constexpr):
     dtype; int8 to float16 with integer arithmetic (the float16 ``1152 + x`` holds ``x + 128``
     in its low mantissa bits; ``I2F`` runs at a quarter of the ALU rate)."""
     if x.dtype == tl.int8 and dtype == tl.float16:
-        if _PTX_INDEX_LOADS:  # four entries per step: one xor, two byte permutes, two subtractions
+        if _INLINE_PTX:  # four entries per step: one xor, two byte permutes, two subtractions
             return tl.inline_asm_elementwise(
                 """{ .reg .b32 t, e, b;
                 xor.b32 t, $2, 0x80808080; mov.b32 e, 0x64646464; mov.b32 b, 0x64806480;
@@ -145,7 +146,7 @@ def _value_pairs(words, FORMAT: tl.constexpr, dtype: tl.constexpr):
     On the GPU one ``prmt`` per two words and one conversion per output pair; the interpreter
     (no inline PTX) takes the same values through bit operations.
     """
-    if _PTX_INDEX_LOADS:
+    if _INLINE_PTX:
         # $2 packs words w0, w1 (bytes a0 b0 a1 b1); even = (a0, a1), odd = (b0, b1).
         if FORMAT == tl.float8e4nv:
             even, odd = tl.inline_asm_elementwise(
@@ -446,8 +447,10 @@ def _decode_program(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if V.dtype.element_ty == tl.int16:  # V's even and odd columns (_value_pairs)
-        acc = (tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32))
+    V_PAIRS: tl.constexpr = V.dtype.element_ty == tl.int16  # V's even and odd columns (_value_pairs)
+    if V_PAIRS:
+        acc = (tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32),
+               tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32))
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
@@ -479,7 +482,7 @@ def _decode_program(
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_START, KV_SCALE,
         )
 
-    if V.dtype.element_ty == tl.int16:
+    if V_PAIRS:
         acc = tl.join(acc[0], acc[1]).reshape(BLOCK_M, BLOCK_D)
     if KV_SCALE == 1:
         acc = acc * tl.load(VScale)
