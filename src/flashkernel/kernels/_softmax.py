@@ -215,6 +215,17 @@ def unmasked_run(lo, hi, first_pos, last_pos, window_left, window_right, BLOCK_N
 
 
 @triton.jit
+def _rescaled_product(acc, alpha, pv, v, v_tile, V_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc * alpha + pv v`` (times ``v_tile`` with ``V_COLS``)."""
+    acc = acc * alpha[:, None]
+    if V_COLS:
+        acc += tl.dot(pv, v, input_precision=DOT_PRECISION) * v_tile
+    else:
+        acc = tl.dot(pv, v, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   V_PAIRS: tl.constexpr = False):
     """``acc * alpha + P V``. With ``V_COLS`` (a quantized cache's per-token V scales) key ``j``'s
@@ -222,21 +233,14 @@ def accumulate_pv(acc, alpha, p, v, v_cols, v_tile, V_COLS: tl.constexpr, DOT_PR
     product (P stays in ``[0, 1]`` in V's dtype) and the tile's ``v_tile`` the product.
     With ``V_PAIRS``, ``v`` and ``acc`` are pairs ``(even columns, odd columns)`` of V and of the
     output (a 1-byte cache read two entries at a time, ``decode._value_pairs``)."""
+    if V_COLS:
+        p = p * v_cols[None, :]
     if V_PAIRS:
-        if V_COLS:
-            pv = (p * v_cols[None, :]).to(v[0].dtype)
-            acc = (acc[0] * alpha[:, None] + tl.dot(pv, v[0], input_precision=DOT_PRECISION) * v_tile,
-                   acc[1] * alpha[:, None] + tl.dot(pv, v[1], input_precision=DOT_PRECISION) * v_tile)
-        else:
-            pv = p.to(v[0].dtype)
-            acc = (tl.dot(pv, v[0], acc[0] * alpha[:, None], input_precision=DOT_PRECISION),
-                   tl.dot(pv, v[1], acc[1] * alpha[:, None], input_precision=DOT_PRECISION))
+        pv = p.to(v[0].dtype)
+        acc = (_rescaled_product(acc[0], alpha, pv, v[0], v_tile, V_COLS, DOT_PRECISION),
+               _rescaled_product(acc[1], alpha, pv, v[1], v_tile, V_COLS, DOT_PRECISION))
     else:
-        acc = acc * alpha[:, None]
-        if V_COLS:
-            acc += tl.dot((p * v_cols[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION) * v_tile
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = _rescaled_product(acc, alpha, p.to(v.dtype), v, v_tile, V_COLS, DOT_PRECISION)
     return acc
 
 
