@@ -541,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
                 print(f"wrote {args.out}", flush=True)
+        # Leave together: a rank tearing down gloo while rank 0 still writes was seen to abort
+        # ("terminate called without an active exception") under a loaded CPU.
+        _barrier()
     finally:
         dist.destroy_process_group()
     return 0
