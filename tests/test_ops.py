@@ -584,6 +584,48 @@ def test_decode_plan_runs_each_layer_like_the_function():
         assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
 
 
+def test_plan_runs_write_the_callers_output():
+    """``out=``: the same values written into the caller's tensor (contiguous, or a strided view
+    that the full path fills), which is returned; nothing else of it or of the inputs changes."""
+    layers = [_cache_inputs(lengths=(7, 30)) for _ in range(3)]
+    q0, kc0, vc0, _, _, seqlens = layers[0]
+    plan = flashkernel.DecodePlan(q0, kc0, vc0, cache_seqlens=seqlens, return_lse=True)
+    for q, k_cache, v_cache, _, _, _ in layers + layers:
+        want, want_lse = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                             return_lse=True)
+        out = torch.full_like(q, float("nan"))
+        got, lse = plan.run(q, k_cache, v_cache, out=out)
+        assert got is out and torch.equal(out, want) and torch.equal(lse, want_lse)
+        wide = torch.full((*q.shape[:-1], 2 * q.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+        got, _ = plan.run(q, k_cache, v_cache, out=wide[..., 1::2])
+        assert torch.equal(got, want) and wide[..., ::2].isnan().all()
+    cu = torch.tensor([0, 5, 19], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(19, h, 32, dtype=torch.float16, device=DEVICE) for h in (4, 2, 2))
+    plan = flashkernel.VarlenPlan(q, k, v, cu, cu, 14, 14, causal=True)
+    out = torch.empty_like(q)
+    assert plan.run(q, k, v, out=out) is out
+    assert torch.equal(out, flashkernel.flash_attn_varlen_func(q, k, v, cu, cu, 14, 14, causal=True))
+
+
+def test_plan_runs_refuse_a_bad_output():
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs(lengths=(7, 30))
+    plan = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor or None, got list"):
+        plan.run(q, k_cache, v_cache, out=[])
+    with pytest.raises(ValueError, match=r"out has shape \(2, 1, 4, 32\), dtype torch.float32.*dtype torch.float16"):
+        plan.run(q, k_cache, v_cache, out=torch.empty(q.shape, device=DEVICE))
+    with pytest.raises(ValueError, match="out has shape"):
+        plan.run(q, k_cache, v_cache, out=torch.empty_like(q)[:1])
+    with pytest.raises(ValueError, match="out overlaps k_cache"):
+        plan.run(q, k_cache, v_cache, out=k_cache.view(-1)[64:64 + q.numel()].view(q.shape))
+    with pytest.raises(ValueError, match="out overlaps q"):
+        plan.run(q, k_cache, v_cache, out=q)
+    beside = torch.randn(2 * q.numel(), dtype=q.dtype, device=DEVICE)  # one storage, disjoint halves
+    q_half, out_half = beside[:q.numel()].view(q.shape), beside[q.numel():].view(q.shape)
+    assert torch.equal(plan.run(q_half, k_cache, v_cache, out=out_half),
+                       flashkernel.flash_attn_with_kvcache(q_half, k_cache, v_cache, cache_seqlens=seqlens))
+
+
 def test_plans_refuse_other_layouts_and_grads():
     q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
     plan = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens)
@@ -625,8 +667,9 @@ def test_decode_plan_replays_bit_identical_gpu():
             kc, vc = k_cache.clone(), v_cache.clone()
             want = _full_path(flashkernel.flash_attn_with_kvcache, q, kc, vc, k=k, v=v, cache_seqlens=seqlens,
                               block_table=bt)
-            assert torch.equal(plan.run(q, k_cache, v_cache, k=k, v=v), want)
-            assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+            out = torch.full_like(q, float("nan"))
+            assert torch.equal(plan.run(q, k_cache, v_cache, k=k, v=v, out=out), want)
+            assert torch.equal(out, want) and torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ variant; only ``q``, the layer's caches and the new keys/values change. :class:`
 validates everything that is fixed for the step once (including the values of the lengths and
 the block table, when asked), and :meth:`DecodePlan.run` takes only the per-layer tensors: the
 first run records its launches and later runs replay them with the new tensors' addresses
-(``kernels/_launch.py``), after checking that each tensor has the planned layout.
+(``kernels/_launch.py``), after checking that each tensor has the planned layout. ``run(...,
+out=)`` writes into the caller's output tensor instead of allocating one per layer.
 :class:`VarlenPlan` does the same for packed prefill (``cu_seqlens`` planned once per batch).
 
 A plan is made from the first layer's arguments, exactly as they would be passed to the
@@ -53,28 +54,65 @@ def _same_layout(name: str, x, expected) -> bool:
     return got == expected
 
 
+def _extent(x: torch.Tensor) -> int:
+    """Bytes from ``x``'s address to one past its last element (non-negative strides)."""
+    if x.numel() == 0:
+        return 0
+    return (1 + sum([(size - 1) * stride for size, stride in zip(x.shape, x.stride())])) * x.element_size()
+
+
 class _Plan:
     """Shared run machinery: per-layer tensors checked against the planned layouts, the first
-    run recorded, later runs replayed."""
+    run recorded, later runs replayed (into the caller's ``out`` when given)."""
 
     def __init__(self, names, examples):
         self._names = names
         self._layouts = tuple(layout(x) for x in examples)
+        self._extents = tuple(None if x is None else _extent(x) for x in examples)
         self._key = layouts(examples)
         self._calls = CallCache(max_entries=1)
 
-    def _run(self, tensors, fixed, call):
+    def _check_out(self, out, tensors) -> bool:
+        """Raise unless ``out`` can take the output of a run on ``tensors`` (of the planned
+        layouts): q's shape, dtype and device, and no byte shared with an input. Returns whether
+        a replay can write it directly (contiguous and 16-byte aligned, as the recorded output)."""
+        q = tensors[0]
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out has shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}; the output has "
+                             f"shape {tuple(q.shape)}, dtype {q.dtype} on {q.device} (q's): pass such a tensor")
+        contiguous = out.is_contiguous()
+        start = out.data_ptr()
+        end = start + (out.numel() * out.element_size() if contiguous else _extent(out))
+        for name, x, extent in zip(self._names, tensors, self._extents):
+            if x is not None and extent and (x_start := x.data_ptr()) < end and start < x_start + extent:
+                raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
+        return contiguous and start % 16 == 0
+
+    def _run(self, tensors, fixed, call, out=None):
         inputs = tuple(tensors) + tuple(fixed)
-        if layouts(tensors) != self._key:
+        planned = layouts(tensors) == self._key
+        if not planned:
             for name, x, expected in zip(self._names, tensors, self._layouts):
                 _same_layout(name, x, expected)  # raises for another shape, strides, dtype or device
-            return call()  # another alignment or shared addresses: the full path
-        if not tensors[0].is_cuda or torch.compiler.is_compiling():
-            return call()  # the CPU, or a trace
+        direct = out is None or self._check_out(out, tensors)
+        if not (planned and direct and tensors[0].is_cuda) or torch.compiler.is_compiling():
+            # Another alignment or shared addresses, an output the replay cannot write, the CPU,
+            # or a trace: the full path.
+            return _into(out, call())
         replay = self._calls.get(0)
         if replay is not None:
-            return replay.run(inputs, reuse_scratch=True)
-        return self._calls.run(0, inputs, call)
+            return replay.run(inputs, reuse_scratch=True, outputs=None if out is None else (out,))
+        return _into(out, self._calls.run(0, inputs, call))
+
+
+def _into(out, results):
+    """``results`` with the output copied into ``out`` (when given)."""
+    if out is None:
+        return results
+    out.copy_(results[0])
+    return (out, *results[1:])
 
 
 class DecodePlan(_Plan):
@@ -105,17 +143,23 @@ class DecodePlan(_Plan):
         self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
         self.return_lse = return_lse
 
-    def run(self, q, k_cache, v_cache, k=None, v=None, k_scale=None, v_scale=None):
+    def run(self, q, k_cache, v_cache, k=None, v=None, k_scale=None, v_scale=None, *, out=None):
         """Attention for one layer (appending ``k, v`` when the plan was made with them; a
         quantized cache with its layer's scales). Returns ``out`` (and ``lse`` with
-        ``return_lse=True``) as ``flash_attn_with_kvcache`` does."""
+        ``return_lse=True``) as ``flash_attn_with_kvcache`` does.
+
+        ``out``: a tensor of ``q``'s shape, dtype and device to write the output into (saves an
+        allocation per layer; contiguous is fastest), not overlapping the inputs; it is returned.
+        """
         tensors = (q, k_cache, v_cache, k, v, k_scale, v_scale)
         if self.empty:
-            results = interface._empty_results(q, self.return_lse, self._fixed[-1])
+            if out is not None:
+                self._check_out(out, tensors)
+            results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
             ops.check_no_grad("kvcache_fwd", (("q", q), ("k", k), ("v", v)), "DecodePlan.run")
             results = self._run(tensors, self._fixed, lambda: ops.kvcache_fwd_impl(
-                q, k_cache, v_cache, k, v, *self._fixed, k_scale, v_scale, *self._scalars))
+                q, k_cache, v_cache, k, v, *self._fixed, k_scale, v_scale, *self._scalars), out)
         return results if self.return_lse else results[0]
 
 
@@ -150,11 +194,14 @@ class VarlenPlan(_Plan):
                       return_lse, backend)
         self.return_lse = return_lse
 
-    def run(self, q, k, v):
-        """Attention for one layer: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``."""
+    def run(self, q, k, v, *, out=None):
+        """Attention for one layer: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``; ``out``
+        as in :meth:`DecodePlan.run`."""
         if self.empty:
-            results = interface._empty_results(q, self.return_lse, self._fixed[-1])
+            if out is not None:
+                self._check_out(out, (q, k, v))
+            results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
             ops.check_no_grad("varlen_fwd", (("q", q), ("k", k), ("v", v)), "VarlenPlan.run")
-            results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args))
+            results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args), out)
         return results if self.return_lse else results[0]

@@ -7,7 +7,8 @@ Uses the public API only, so the same file measures another build of flashkernel
 build's ``src`` first on ``PYTHONPATH`` and run this file by path with ``--label before``).
 
 Per call, for each provider (flashkernel's eager call, its plan/run call where the build has
-plans, SDPA's cuDNN backend's eager call, its backend chosen once outside the timed calls):
+plans, the same writing into an output the caller keeps where ``run`` takes ``out=``, SDPA's
+cuDNN backend's eager call, its backend chosen once outside the timed calls):
 
 * ``eager_us``: median of ``triton.testing.do_bench`` over eager calls (it flushes L2 between
   calls, so host time the GPU waits for shows up);
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import platform
 import statistics
@@ -137,6 +139,9 @@ def decode_rows(label: str) -> list[dict]:
         if hasattr(flashkernel, "DecodePlan"):
             plan = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table)
             providers["flashkernel_plan_run"] = lambda: plan.run(q, k_cache, v_cache)
+            if "out" in inspect.signature(plan.run).parameters:
+                out = torch.empty_like(q)
+                providers["flashkernel_plan_run_out"] = lambda: plan.run(q, k_cache, v_cache, out=out)
         if page == 0:
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k_cache, v_cache))
             providers["sdpa_cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,

@@ -306,9 +306,13 @@ class Replay:
             clone.native = None if native is None else self.native[:index] + (native,) + self.native[index + 1:]
         return clone
 
-    def run(self, inputs, reuse_scratch: bool = False):
+    def run(self, inputs, reuse_scratch: bool = False, outputs=None):
         """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
         recorded device); returns the outputs as the recorded call did.
+
+        ``outputs``: tensors (or None) to write in place of the first recorded outputs, in their
+        order; each must have its recorded output's shape, strides, dtype and device and a 16-byte
+        aligned address (the caller checks; Triton specialized the kernels on it).
 
         ``reuse_scratch``: keep the temporaries per stream and reuse them in the next run on that
         stream, instead of allocating them per run. Safe for eager calls: the kernels of one
@@ -319,36 +323,38 @@ class Replay:
         """
         if _current_device() != self.device:
             with torch.cuda.device(self.device):
-                return self._run(inputs, reuse_scratch)
-        return self._run(inputs, reuse_scratch)
+                return self._run(inputs, reuse_scratch, outputs)
+        return self._run(inputs, reuse_scratch, outputs)
 
-    def _allocate(self, stream: int, reuse_scratch: bool) -> list:
+    def _allocate(self, stream: int, reuse_scratch: bool, given) -> list:
         if not (reuse_scratch and self.scratch) or torch.cuda.is_current_stream_capturing():
-            return [empty(shape, dtype, device) for shape, dtype, device in self.allocations]
-        kept = self._scratch_by_stream.get(stream)
-        if kept is None:
-            kept = self._scratch_by_stream[stream] = [empty(*self.allocations[i]) for i in self.scratch]
+            kept = [empty(*self.allocations[i]) for i in self.scratch]
+        else:
+            kept = self._scratch_by_stream.get(stream)
+            if kept is None:
+                kept = self._scratch_by_stream[stream] = [empty(*self.allocations[i]) for i in self.scratch]
         allocated = [None] * len(self.allocations)
         for i, buffer in zip(self.scratch, kept):
             allocated[i] = buffer
+        given = given or ()
         for i, j in enumerate(self.outputs):
             if j is not None:
-                allocated[j] = empty(*self.allocations[j])
+                allocated[j] = given[i] if i < len(given) and given[i] is not None else empty(*self.allocations[j])
         return allocated
 
-    def _run(self, inputs, reuse_scratch: bool):
+    def _run(self, inputs, reuse_scratch: bool, outputs):
         if reuse_scratch and self.scratch:
             # Threads launching on one stream share its temporaries, so one run's launches are all
             # issued before another run's begin: else a second run's split kernel could overwrite
             # partials the first run's merge has yet to read (Triton's launcher releases the GIL
             # while it launches; the C launcher's one call does not).
             with self._scratch_lock:
-                return self._launch(inputs, reuse_scratch)
-        return self._launch(inputs, reuse_scratch)
+                return self._launch(inputs, reuse_scratch, outputs)
+        return self._launch(inputs, reuse_scratch, outputs)
 
-    def _launch(self, inputs, reuse_scratch: bool):
+    def _launch(self, inputs, reuse_scratch: bool, outputs):
         stream = _raw_stream(self.device)
-        allocated = self._allocate(stream, reuse_scratch)
+        allocated = self._allocate(stream, reuse_scratch, outputs)
         addresses = [None if x is None else x.data_ptr() for x in inputs]
         addresses += [t.data_ptr() for t in allocated]
         if self.native is not None:
@@ -363,8 +369,7 @@ class Replay:
             scratch_buf = torch.empty(scratch, dtype=torch.uint8, device=inputs[0].device) if scratch else None
             launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, scratch_buf, None, metadata, None,
                    None, None, *args)
-        outputs = self.outputs
-        return tuple([None if j is None else allocated[j] for j in outputs])
+        return tuple([None if j is None else allocated[j] for j in self.outputs])
 
 
 def _raw_stream(device: int) -> int:
