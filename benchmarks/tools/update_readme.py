@@ -47,20 +47,18 @@ def call_cost_table(results: Path) -> str:
     by = {(r["provider"], key(r)): r for r in rows if r["workload"] != "compiled"}
     lines = ["Decode step (32 query / 8 KV heads, head dim 128, one new token), microseconds per call: eager "
              "wall time of back-to-back calls / host time; GPU time from CUDA-graph replays.", "",
-             "| batch | context | cache | flashkernel wall / host | plan.run wall / host | plan.run(out=) wall / host | "
-             "before: wall / host | cuDNN wall / host | GPU flashkernel / cuDNN |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| batch | context | cache | flashkernel wall / host | plan.run wall / host | before: wall / host | "
+             "cuDNN wall / host | GPU flashkernel / cuDNN |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if r["workload"] != "decode" or r["provider"] != "flashkernel":
             continue
         k = key(r)
         plan = by.get(("flashkernel_plan_run", k))
-        plan_out = by.get(("flashkernel_plan_run_out", k))
         cudnn = by.get(("sdpa_cudnn", ("decode", k[1], k[2], 0, None, None, None)))
         old = before.get(k)
         cell = lambda x: "-" if x is None else f"{x['wall_us']:.1f} / {x['host_us']:.1f}"  # noqa: E731
         lines.append(f"| {k[1]} | {k[2]} | {'pages of ' + str(k[3]) if k[3] else 'contiguous'} | {cell(r)} | "
-                     f"{cell(plan)} | {cell(plan_out)} | {cell(old)} | {cell(cudnn)} | {r['gpu_us']:.1f} / {cudnn['gpu_us']:.1f} |")
+                     f"{cell(plan)} | {cell(old)} | {cell(cudnn)} | {r['gpu_us']:.1f} / {cudnn['gpu_us']:.1f} |")
     prefill = [(r, by.get(("sdpa_cudnn", key(r)))) for r in rows if r["workload"] == "prefill"
                and r["provider"] == "flashkernel"]
     ratios = [r["wall_us"] / c["wall_us"] for r, c in prefill if c]
