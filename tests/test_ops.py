@@ -620,6 +620,17 @@ def test_plan_runs_refuse_a_bad_output():
         plan.run(q, k_cache, v_cache, out=k_cache.view(-1)[64:64 + q.numel()].view(q.shape))
     with pytest.raises(ValueError, match="out overlaps q"):
         plan.run(q, k_cache, v_cache, out=q)
+    with pytest.raises(ValueError, match="several of its elements share an address"):
+        plan.run(q, k_cache, v_cache, out=torch.empty(q.shape[-1], dtype=q.dtype, device=DEVICE).expand(q.shape))
+    with pytest.raises(ValueError, match="out requires grad"):
+        plan.run(q, k_cache, v_cache, out=torch.empty_like(q, requires_grad=True))
+    pool = torch.zeros(q.numel(), dtype=torch.float16, device=DEVICE)  # lengths and out in one buffer
+    lengths = pool[:4].view(torch.int32)
+    lengths.copy_(seqlens)
+    kept = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=lengths)
+    with pytest.raises(ValueError, match="out overlaps cache_seqlens"):
+        kept.run(q, k_cache, v_cache, out=pool.view(q.shape))
+    assert torch.equal(lengths, seqlens)
     beside = torch.randn(2 * q.numel(), dtype=q.dtype, device=DEVICE)  # one storage, disjoint halves
     q_half, out_half = beside[:q.numel()].view(q.shape), beside[q.numel():].view(q.shape)
     assert torch.equal(plan.run(q_half, k_cache, v_cache, out=out_half),

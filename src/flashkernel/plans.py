@@ -69,24 +69,42 @@ class _Plan:
         self._names = names
         self._layouts = tuple(layout(x) for x in examples)
         self._extents = tuple(None if x is None else _extent(x) for x in examples)
+        self._kept_spans = ()
         self._key = layouts(examples)
         self._calls = CallCache(max_entries=1)
 
+    def _keep(self, names, tensors) -> None:
+        """Note the tensors the plan holds for every run (lengths, tables, slopes, sinks): their
+        addresses do not change, so their byte spans are computed once, for the check of ``out``."""
+        self._kept_spans = tuple((name, x.data_ptr(), x.data_ptr() + _extent(x))
+                                 for name, x in zip(names, tensors) if x is not None and x.numel())
+
     def _check_out(self, out, tensors) -> bool:
         """Raise unless ``out`` can take the output of a run on ``tensors`` (of the planned
-        layouts): q's shape, dtype and device, and no byte shared with an input. Returns whether
-        a replay can write it directly (contiguous and 16-byte aligned, as the recorded output)."""
+        layouts): q's shape, dtype and device, no gradient wanted, one element per address, and no
+        byte range shared with an input or a tensor the plan holds (by address ranges: views that
+        interleave in one buffer count as overlapping). Returns whether a replay can write it
+        directly (contiguous and 16-byte aligned, as the recorded output)."""
         q = tensors[0]
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(f"out has shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}; the output has "
                              f"shape {tuple(q.shape)}, dtype {q.dtype} on {q.device} (q's): pass such a tensor")
+        if out.requires_grad and torch.is_grad_enabled():
+            raise ValueError("out requires grad, and a plan's run has no backward: pass a tensor that does not, "
+                             "or run under torch.no_grad()")
         contiguous = out.is_contiguous()
+        if not contiguous and torch._debug_has_internal_overlap(out) == 1:
+            raise ValueError(f"out has strides {out.stride()}: several of its elements share an address (an "
+                             "expanded tensor?); pass a tensor with one element per address")
         start = out.data_ptr()
         end = start + (out.numel() * out.element_size() if contiguous else _extent(out))
         for name, x, extent in zip(self._names, tensors, self._extents):
             if x is not None and extent and (x_start := x.data_ptr()) < end and start < x_start + extent:
+                raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
+        for name, x_start, x_end in self._kept_spans:
+            if x_start < end and start < x_end:
                 raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
         return contiguous and start % 16 == 0
 
@@ -102,9 +120,13 @@ class _Plan:
             # or a trace: the full path.
             return _into(out, call())
         replay = self._calls.get(0)
-        if replay is not None:
-            return replay.run(inputs, reuse_scratch=True, outputs=None if out is None else (out,))
-        return _into(out, self._calls.run(0, inputs, call))
+        if replay is None:
+            return _into(out, self._calls.run(0, inputs, call))
+        if out is None:
+            return replay.run(inputs, reuse_scratch=True)
+        results = replay.run(inputs, reuse_scratch=True, outputs=(out,))
+        torch.autograd.graph.increment_version(out)  # written in place, as copy_ would have marked it
+        return results
 
 
 def _into(out, results):
@@ -140,6 +162,7 @@ class DecodePlan(_Plan):
                          (q, k_cache, v_cache, k, v, k_scale, v_scale))
         self.empty = q.numel() == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0
         self._fixed = (cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
+        self._keep(("cache_seqlens", "block_table", "cache_leftpad", "alibi_slopes", "sinks"), self._fixed)
         self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
         self.return_lse = return_lse
 
@@ -190,6 +213,7 @@ class VarlenPlan(_Plan):
         super().__init__(("q", "k", "v"), (q, k, v))
         self.empty = batch == 0 or q.shape[0] == 0 or k.shape[0] == 0 or max_q == 0
         self._fixed = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+        self._keep(("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks"), self._fixed)
         self._args = (cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks, causal, scale, *window, cap,
                       return_lse, backend)
         self.return_lse = return_lse
