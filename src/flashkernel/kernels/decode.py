@@ -203,16 +203,18 @@ def _queries_as_f16(q):
 
 @triton.jit
 def _cache_rows(
-    bt_row, stride_btn, batch, start_n, keys, length, num_blocks, key_start,
+    bt_row, stride_btn, batch, start_n, offs_n, length, num_blocks, key_start,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_START: tl.constexpr,
 ):
-    """Block and slot of each key of the tile at ``start_n``: key j is at ``cache[block, slot]``.
+    """Block and slot of each key ``start_n + offs_n`` of the tile at ``start_n`` (a multiple of
+    ``BLOCK_N``): key j is at ``cache[block, slot]``.
 
-    ``keys`` and ``length`` count from the sequence's key start; the cache position of key
+    Keys and ``length`` count from the sequence's key start; the cache position of key
     ``j`` is ``j + key_start`` (``HAS_START``) or ``j``. ``block`` is an int64 scalar
     (contiguous cache, or pages >= BLOCK_N without a start: one page per tile) or an int64
     vector (one look-up per key). ``slot`` is an int64 vector.
     """
+    keys = start_n + offs_n
     if HAS_START:
         pos = keys + key_start
     else:
@@ -226,14 +228,22 @@ def _cache_rows(
         # (Clamping the column, not the key, keeps the keys of one page on one address: a quarter
         # of the look-ups at pages of 16.)
         last = tl.maximum(length - 1, 0)
-        if PAGE_SIZE >= BLOCK_N and not HAS_START:
-            block = _load_page_index(bt_row + (tl.minimum(start_n, last) // PAGE_SIZE) * stride_btn)
-        else:
-            if HAS_START:
-                last = last + key_start
+        if HAS_START:
+            last = last + key_start
             block = _load_page_index(bt_row + tl.minimum(pos // PAGE_SIZE, last // PAGE_SIZE) * stride_btn)
+            slot = pos % PAGE_SIZE
+        elif PAGE_SIZE >= BLOCK_N:
+            block = _load_page_index(bt_row + (tl.minimum(start_n, last) // PAGE_SIZE) * stride_btn)
+            slot = pos % PAGE_SIZE
+        else:
+            # Tiles start at multiples of BLOCK_N (a multiple of PAGE_SIZE), so a key's page
+            # column is the tile's first plus a term of its offset, and its slot depends on the
+            # offset alone: both terms are computed once per program, not per tile.
+            col = tl.minimum(start_n // PAGE_SIZE + offs_n // PAGE_SIZE, last // PAGE_SIZE)
+            block = _load_page_index(bt_row + col * stride_btn)
+            slot = offs_n % PAGE_SIZE
         block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
-        slot = (pos % PAGE_SIZE).to(tl.int64)
+        slot = slot.to(tl.int64)
     return block, slot
 
 
@@ -263,7 +273,7 @@ def _attend_cache_tile(
     ``P V``; scales per KV head are folded into ``qk_scale`` and the output by the caller.
     """
     keys = start_n + offs_n
-    block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, keys, length, num_blocks, key_start,
+    block, slot = _cache_rows(bt_row, stride_btn, batch, start_n, offs_n, length, num_blocks, key_start,
                               PAGE_SIZE, BLOCK_N, HAS_START)
     V_PAIRS: tl.constexpr = V.dtype.element_ty == tl.int16
     if V_PAIRS:  # a 1-byte cache's V as int16 words (_value_pairs): strides count words
