@@ -26,6 +26,8 @@ the same arguments.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import _checks, interface, ops
@@ -76,7 +78,7 @@ class _Plan:
     def _keep(self, names, tensors) -> None:
         """Note the tensors the plan holds for every run (lengths, tables, slopes, sinks): their
         addresses do not change, so their byte spans are computed once, for the check of ``out``."""
-        self._kept_spans = tuple((name, x.data_ptr(), x.data_ptr() + _extent(x))
+        self._kept_spans = tuple((name, x.data_ptr(), _extent(x))
                                  for name, x in zip(names, tensors) if x is not None and x.numel())
 
     def _check_out(self, out, tensors) -> bool:
@@ -100,11 +102,10 @@ class _Plan:
                              "expanded tensor?); pass a tensor with one element per address")
         start = out.data_ptr()
         end = start + (out.numel() * out.element_size() if contiguous else _extent(out))
-        for name, x, extent in zip(self._names, tensors, self._extents):
-            if x is not None and extent and (x_start := x.data_ptr()) < end and start < x_start + extent:
-                raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
-        for name, x_start, x_end in self._kept_spans:
-            if x_start < end and start < x_end:
+        inputs = ((name, x.data_ptr(), extent) for name, x, extent in zip(self._names, tensors, self._extents)
+                  if x is not None and extent)
+        for name, x_start, x_extent in itertools.chain(inputs, self._kept_spans):
+            if x_start < end and start < x_start + x_extent:
                 raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
         return contiguous and start % 16 == 0
 

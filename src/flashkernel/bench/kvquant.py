@@ -2,7 +2,7 @@
 
     flashkernel bench kvquant --out benchmarks/results/h200            # GPU: kvquant.{json,csv,png}
     python -m flashkernel.bench.kvquant --sections accuracy --markdown # CPU is enough: the README's table
-    python -m flashkernel.bench.kvquant --sections sweep --out DIR     # tile configs over 1-byte caches
+    python -m flashkernel.bench.kvquant --sections sweep --out DIR [--sweep-layouts paged16]  # tile configs
 
 Sections:
 
@@ -20,7 +20,9 @@ Sections:
   replays, scales per tensor), where the policy would consider it. Outputs of shapes up to
   32k tokens are checked against float64 attention over the dequantized cache before timing.
 * ``sweep`` (GPU): graph-replayed step times of the Triton kernel's tile configs over 1-byte
-  caches (what ``tuned/decode.json``'s ``quantized`` tables choose from).
+  caches (what ``tuned/decode.json``'s ``quantized`` tables choose from) and over the bf16 cache
+  (its ``contiguous`` and ``small_pages`` tables), each config given explicitly: the split count
+  is the automatic one, but the dispatcher's short-split rule (``fit_config``) does not apply.
 * ``accuracy`` (CPU or GPU, float64 reference, no kernel): the error of attention over each
   format and granularity against the same attention over the bf16 cache it was quantized from,
   on random data and on K with a few channels 100x larger (as real K caches have).
@@ -56,7 +58,8 @@ CHECK_MAX_TOKENS = 32768  # outputs of shapes up to this many cached tokens are 
 READ_BYTES = 4 * 2**30
 SWEEP_CONFIGS = ((64, 4, 3), (64, 4, 5), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 4, 5), (128, 8, 3),
                  (128, 8, 4), (128, 8, 5))
-SWEEP_SHAPES = ((1, 4096), (1, 32768), (8, 32768), (64, 4096))
+SWEEP_CONFIGS_BF16 = ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3))
+SWEEP_SHAPES = ((1, 4096), (1, 32768), (8, 32768), (64, 4096), (8, 131072))
 COLUMNS = ("section", "provider", "layout", "format", "granularity", "batch", "context", "graph_us", "eager_us",
            "bytes_read", "graph_gbps", "fraction_of_read", "graph_ratio_vs_bf16", "eager_ratio_vs_bf16",
            "token_over_tensor", "model_steps_per_s", "model_steps_bound", "config", "max_err", "err_bound",
@@ -301,20 +304,21 @@ def add_ratios(rows: list[dict]) -> None:
             row["token_over_tensor"] = row["graph_us"] / per_tensor["graph_us"]
 
 
-def sweep_rows(setup: Setup, settings, log) -> list[dict]:
+def sweep_rows(setup: Setup, settings, log, layouts=tuple(LAYOUTS)) -> list[dict]:
     """Graph-replayed step times of the Triton kernel at each of ``SWEEP_CONFIGS`` (fp8 and int8,
-    scales per tensor and per token)."""
+    scales per tensor and per token) and of ``SWEEP_CONFIGS_BF16`` (the bf16 cache, for its own
+    table), over ``layouts``."""
     from ..kernels import decode
     from ..kernels.tuning import DecodeConfig
 
     rows = []
     for batch, context in SWEEP_SHAPES:
-        for layout in LAYOUTS:
+        for layout in layouts:
             copies = copies_for(setup, batch, context, layout)
             for (fmt, granularity), first in copies[0].items():
-                if granularity not in ("tensor", "token"):
+                if granularity not in (None, "tensor", "token"):
                     continue
-                for config in SWEEP_CONFIGS:
+                for config in SWEEP_CONFIGS if granularity else SWEEP_CONFIGS_BF16:
                     config = DecodeConfig(*config)
                     calls = [sweep_call(c[(fmt, granularity)], config, decode) for c in copies]
                     try:
@@ -506,6 +510,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", nargs="+", choices=("perf", "sweep", "accuracy"),
                         help="default: perf and accuracy on a GPU, accuracy without one")
     parser.add_argument("--quick", action="store_true", help=f"perf at {len(QUICK_SHAPES)} shapes only")
+    parser.add_argument("--sweep-layouts", nargs="+", choices=tuple(LAYOUTS), default=tuple(LAYOUTS),
+                        help="cache layouts the sweep section times (default: both)")
     parser.add_argument("--markdown", action="store_true", help="print the accuracy table as Markdown")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available()
@@ -526,7 +532,7 @@ def main(argv=None) -> int:
               f"a streaming Triton kernel {doc['triton_stream_gbps']:.0f} GB/s")
         doc["rows"] += perf_rows(setup, QUICK_SHAPES if args.quick else SHAPES, settings, doc["read_gbps"], log_row)
     if "sweep" in sections:
-        doc["rows"] += sweep_rows(setup, settings, log_row)
+        doc["rows"] += sweep_rows(setup, settings, log_row, args.sweep_layouts)
     if "accuracy" in sections:
         rows = accuracy_rows(setup, log_row)
         doc["rows"] += rows
