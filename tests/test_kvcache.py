@@ -345,6 +345,23 @@ def test_configs_fit_the_work_per_program():
     assert decode.fit_config(table, 64, 128, 132, 0, head_dim=256) == table
 
 
+def test_one_byte_caches_keep_a_large_grid_resident():
+    tuned = tuning.decode_tuning(None)
+    table = tuned.quantized_contiguous[128]
+    fit = functools.partial(decode.fit_config, sms=132, head_dim=128, waves=2)
+    many = tuned.quantized_multi_wave_programs_per_sm * 132 + 1
+    # B=64, 4k, scales per tensor or head: more programs than the table's tiles leave resident.
+    for page_size in (0, 16):
+        assert fit(table, tokens_per_program=4096, grid=many, page_size=page_size, kv_scale=1) == \
+            tuned.quantized_multi_wave_config
+    # Fewer programs keep the table's tiles; so do per-token scales, and head dims other than 128.
+    assert fit(table, tokens_per_program=4096, grid=many - 1, page_size=0, kv_scale=1) == table
+    assert fit(table, tokens_per_program=4096, grid=many, page_size=0, kv_scale=2) == table
+    assert decode.fit_config(table, 4096, many, 132, 0, head_dim=64, waves=2, kv_scale=1) == table
+    # A bf16 cache of the same grid is not affected.
+    assert fit(table, tokens_per_program=4096, grid=many, page_size=0) == table
+
+
 # ---- baseline ---------------------------------------------------------------------------------
 
 

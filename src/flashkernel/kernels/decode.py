@@ -755,14 +755,22 @@ def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size:
 
 @functools.lru_cache(maxsize=1024)
 def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: int, page_size: int,
-               head_dim: int, waves: int = 1, tuned: DecodeTuning | None = None) -> DecodeConfig:
+               head_dim: int, waves: int = 1, tuned: DecodeTuning | None = None,
+               kv_scale: int = 0) -> DecodeConfig:
     """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
     the ones measured): short splits get short tiles; grids of more than the planned ``waves``
     of programs (the batch alone fills the GPU) get, when the programs are short (or the pages
-    small), a config that fits three programs per SM."""
+    small), a config that fits three programs per SM. Over a 1-byte cache with scales per
+    tensor or KV head (``kv_scale`` 1, :func:`scale_args`) at head dim 128, a grid larger than
+    the table's tiles leave resident at once gets smaller tiles first: with 128-key tiles three
+    programs fit per SM, so batch 64 x 8 KV heads (512 programs) ran 1.3 waves, the last one
+    mostly idle. (Per-token scales ran slower on 64-key tiles than on a partial last wave.)"""
     tuned = tuned or tuning.decode_tuning(None)
     if padded_head_dim(head_dim) > 128:
         return config
+    if (kv_scale == 1 and padded_head_dim(head_dim) == 128
+            and grid > tuned.quantized_multi_wave_programs_per_sm * sms):
+        return tuned.quantized_multi_wave_config
     small_pages = 0 < page_size < tuned.large_page
     if grid > waves * sms and (tokens_per_program <= tuned.multi_wave_max_tokens or small_pages):
         return tuned.multi_wave_config
@@ -916,11 +924,13 @@ class DecodeLaunch:
 
 
 def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, variant: Variant, num_splits: int,
-                config: DecodeConfig | None, tuned: DecodeTuning, quantized: bool, interpreted: bool) -> DecodeLaunch:
+                config: DecodeConfig | None, tuned: DecodeTuning, kv_scale: int, interpreted: bool) -> DecodeLaunch:
     """The :class:`DecodeLaunch` of a call: ``q [B, T, Hq, D]``, the cache's ``geometry``, the
     variant (its window bounds the keys a split reads), the requested ``num_splits`` (0:
-    automatic) and ``config`` (None: the tuning's table)."""
+    automatic), ``config`` (None: the tuning's table) and the cache's scale mode ``kv_scale``
+    (:func:`scale_args`: 0 for a cache in q's dtype)."""
     batch, seqlen_new, num_heads, head_dim = q.shape
+    quantized = kv_scale != 0
     from_table = config is None
     if from_table:
         config = pick_config(head_dim, q.dtype, interpreted, geometry.page_size, tuned, quantized)
@@ -942,7 +952,8 @@ def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, var
             tuned=tuned, quantized=quantized)
     if short_rules:
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms, geometry.page_size,
-                            head_dim, waves_for(geometry.page_size, programs, span, sms, tuned, quantized), tuned)
+                            head_dim, waves_for(geometry.page_size, programs, span, sms, tuned, quantized), tuned,
+                            kv_scale)
     return DecodeLaunch(config, group, block_m, num_row_tiles, num_splits, _warps_for(config, block_m, head_dim),
                       (programs * num_splits,))
 
@@ -1006,14 +1017,13 @@ def decode_forward(
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     if tuned is None:
         tuned = tuning.decode_tuning(q.device if not interpreted else None)
-    plan = plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, config, tuned,
-                       k_scale is not None, interpreted)
+    kv_scale, ks_strides = scale_args(k_scale)
+    plan = plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, config, tuned, kv_scale, interpreted)
     num_splits = plan.num_splits
     seqlen_new = q.shape[1]
     target, target_lse, o_strides, l_strides = split_targets(q, out, lse, num_splits)
     bt, bt_strides = block_table_args(block_table, cache_seqlens)
     mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
-    kv_scale, ks_strides = scale_args(k_scale)
     _, vs_strides = scale_args(v_scale)
     v_operand = value_operand(v_cache, kv_scale != 0)
     # Arguments named in LENGTH_ARGUMENTS are rebound by rebind_lengths: change them together.

@@ -334,5 +334,5 @@ def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, ca
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     geometry = triton_decode.CacheGeometry.of(k_cache, None)
     launch = triton_decode.plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, None, tuned,
-                                       quantized, interpreted())
+                                       triton_decode.scale_args(k_scale)[0], interpreted())
     return launch, triton_decode.length_arguments(k_cache, v_cache, variant, q.shape[1], quantized)
