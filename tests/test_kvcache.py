@@ -349,17 +349,78 @@ def test_one_byte_caches_keep_a_large_grid_resident():
     tuned = tuning.decode_tuning(None)
     table = tuned.quantized_contiguous[128]
     fit = functools.partial(decode.fit_config, sms=132, head_dim=128, waves=2)
-    many = tuned.quantized_multi_wave_programs_per_sm * 132 + 1
-    # B=64, 4k, scales per tensor or head: more programs than the table's tiles leave resident.
+    held = tuned.quantized_resident_programs_per_sm * 132  # 396 programs of 128-key tiles at once
+    most = tuned.quantized_multi_wave_resident_programs_per_sm * 132
+    # B=64, 4k, scales per tensor or head: 512 programs, more than 128-key tiles hold at once.
     for page_size in (0, 16):
-        assert fit(table, tokens_per_program=4096, grid=many, page_size=page_size, kv_scale=1) == \
+        assert fit(table, tokens_per_program=4096, grid=512, page_size=page_size, kv_scale=1) == \
             tuned.quantized_multi_wave_config
-    # Fewer programs keep the table's tiles; so do per-token scales, and head dims other than 128.
-    assert fit(table, tokens_per_program=4096, grid=many - 1, page_size=0, kv_scale=1) == table
-    assert fit(table, tokens_per_program=4096, grid=many, page_size=0, kv_scale=2) == table
-    assert decode.fit_config(table, 4096, many, 132, 0, head_dim=64, waves=2, kv_scale=1) == table
-    # A bf16 cache of the same grid is not affected.
-    assert fit(table, tokens_per_program=4096, grid=many, page_size=0) == table
+        assert fit(table, tokens_per_program=4096, grid=most, page_size=page_size, kv_scale=1) == \
+            tuned.quantized_multi_wave_config
+    # Not for grids the table's tiles hold, nor grids 64-key tiles cannot hold either.
+    assert fit(table, tokens_per_program=4096, grid=held, page_size=0, kv_scale=1) == table
+    assert fit(table, tokens_per_program=4096, grid=most + 1, page_size=0, kv_scale=1) == table
+    # Not for what was not measured: per-token scales, large pages, short programs, other head dims.
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=0, kv_scale=2) == table
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=256, kv_scale=1) == table
+    assert fit(table, tokens_per_program=2048, grid=512, page_size=0, kv_scale=1) == tuned.multi_wave_config
+    assert decode.fit_config(table, 4096, 512, 132, 0, head_dim=64, waves=2, kv_scale=1) == table
+    # A bf16 cache's grid of the same size is not affected.
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
+
+
+@pytest.mark.parametrize("kv_scale, page_size", [(0, 0), (1, 0), (1, 16), (2, 0)])
+def test_planned_decode_takes_the_resident_tiles_for_batch_64(monkeypatch, kv_scale, page_size):
+    """What ``plan_decode`` (used by decode_forward and the length families) gives batch 64 x 4k
+    on a 132-SM GPU: 64-key tiles over a 1-byte cache with scales per tensor or head only."""
+    monkeypatch.setattr(decode, "sm_count", lambda device, interpreted: 132)
+    tuned = tuning.decode_tuning(None)
+    q = torch.empty(64, 1, 32, 128, dtype=torch.bfloat16)
+    geometry = decode.CacheGeometry(page_size, 4096, 64 if page_size == 0 else 64 * 4096 // page_size)
+    launch = decode.plan_decode(q, 8, geometry, Variant.of(True, (-1, -1), 0.0, None, None), 0, None, tuned,
+                                kv_scale, False)
+    assert launch.num_splits == 1
+    if kv_scale == 1:
+        assert launch.config == tuned.quantized_multi_wave_config
+    else:
+        assert launch.config.block_n == 128
+
+
+def _paged_copy(cache: torch.Tensor, page_size: int):
+    """``cache [B, S, Hkv, D]`` as pages of ``page_size`` in a shuffled pool with spare pages of
+    noise, and its block table."""
+    batch, capacity = cache.shape[:2]
+    pages = capacity // page_size
+    pool = torch.randn(batch * pages + 3, page_size, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    table = torch.randperm(pool.shape[0], device=cache.device)[: batch * pages].view(batch, pages)
+    pool[table.reshape(-1)] = cache.reshape(batch * pages, page_size, *cache.shape[2:])
+    return pool, table.to(torch.int32)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("window, num_splits, seqlen_new", [((-1, -1), 1, 1), ((-1, -1), 3, 3), ((7, 0), 1, 1),
+                                                            ((40, 3), 3, 1), ((5, -1), 2, 3)])
+def test_pages_smaller_than_a_tile_read_what_a_contiguous_cache_holds(page_size, window, num_splits, seqlen_new):
+    """Pages smaller than the key tile take each key's page column and slot apart from the
+    tile's start (``decode._cache_rows``): the same keys as a contiguous cache, bit for bit,
+    over windows that start tiles at window edges, splits and several new tokens."""
+    config = decode.DecodeConfig(32, 4, 1)
+    lengths = torch.tensor([0, 77, 200], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, seqlen_new, 4, 32, dtype=torch.float16, device=DEVICE)
+    k_cache = torch.randn(3, 256, 2, 32, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    k_pages, table = _paged_copy(k_cache, page_size)
+    v_pages = torch.empty_like(k_pages).normal_()
+    v_pages[table.reshape(-1).long()] = v_cache.reshape(-1, page_size, 2, 32)
+    results = []
+    for k, v, block_table in ((k_cache, v_cache, None), (k_pages, v_pages, table)):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((3, 4, seqlen_new), float("nan"), device=DEVICE)
+        decode.decode_forward(q, k, v, lengths, block_table, out, lse, appended=0, causal=True, softmax_scale=0.2,
+                              num_splits=num_splits, config=config, window_size=window)
+        results.append((out, lse))
+    (out, lse), (paged_out, paged_lse) = results
+    assert torch.equal(out, paged_out) and torch.equal(lse, paged_lse)
 
 
 # ---- baseline ---------------------------------------------------------------------------------

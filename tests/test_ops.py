@@ -508,7 +508,7 @@ def test_only_the_length_arguments_follow_a_contiguous_caches_length(monkeypatch
 
     def plan(length):  # a family shares its DecodeLaunch: compare two lengths of one plan
         geometry = decode.CacheGeometry(0, length, 2)
-        return decode.plan_decode(q, 2, geometry, variant, num_splits, None, tuned, False, not q.is_cuda)
+        return decode.plan_decode(q, 2, geometry, variant, num_splits, None, tuned, 0, not q.is_cuda)
 
     other = next(n for n in range(90, 40, -1) if plan(n) == plan(41))
     first, k1, v1 = _captured_decode(monkeypatch, 41, window, num_splits=num_splits)

@@ -760,18 +760,22 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
     """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
     the ones measured): short splits get short tiles; grids of more than the planned ``waves``
     of programs (the batch alone fills the GPU) get, when the programs are short (or the pages
-    small), a config that fits three programs per SM. Over a 1-byte cache with scales per
-    tensor or KV head (``kv_scale`` 1, :func:`scale_args`) at head dim 128, a grid larger than
-    the table's tiles leave resident at once gets smaller tiles first: with 128-key tiles three
-    programs fit per SM, so batch 64 x 8 KV heads (512 programs) ran 1.3 waves, the last one
-    mostly idle. (Per-token scales ran slower on 64-key tiles than on a partial last wave.)"""
+    small), a config that fits three programs per SM. Before that rule, over a 1-byte cache
+    with scales per tensor or KV head (``kv_scale`` 1, :func:`scale_args`) at head dim 128,
+    contiguous or in small pages: a grid that the table's 128-key tiles cannot hold at once
+    (three programs per SM) but 64-key tiles can (five), of programs longer than the short ones
+    above, gets the 64-key tiles. Batch 64 x 4k (512 programs) ran 1.3 waves on 128-key tiles,
+    the last one mostly idle. Per-token scales ran slower on 64-key tiles than with the idle
+    wave; other layouts, lengths and grids were not measured."""
     tuned = tuned or tuning.decode_tuning(None)
     if padded_head_dim(head_dim) > 128:
         return config
-    if (kv_scale == 1 and padded_head_dim(head_dim) == 128
-            and grid > tuned.quantized_multi_wave_programs_per_sm * sms):
-        return tuned.quantized_multi_wave_config
     small_pages = 0 < page_size < tuned.large_page
+    if (kv_scale == 1 and padded_head_dim(head_dim) == 128 and (page_size == 0 or small_pages)
+            and tokens_per_program > tuned.multi_wave_max_tokens
+            and tuned.quantized_resident_programs_per_sm * sms < grid
+            <= tuned.quantized_multi_wave_resident_programs_per_sm * sms):
+        return tuned.quantized_multi_wave_config
     if grid > waves * sms and (tokens_per_program <= tuned.multi_wave_max_tokens or small_pages):
         return tuned.multi_wave_config
     if tokens_per_program <= tuned.short_split_tokens and config.block_n > tuned.short_block_n:

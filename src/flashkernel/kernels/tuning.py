@@ -245,9 +245,11 @@ class DecodeTuning:
     head dim <= 128), ``unmeasured_min_split_tokens`` elsewhere, and at most
     ``max_auto_splits`` splits; splits of at most ``short_split_tokens`` keys use
     ``short_block_n``-key tiles; grids of more than a wave whose programs read at most
-    ``multi_wave_max_tokens`` keys (or read small pages) use ``multi_wave_config``; over 1-byte
-    caches at head dim 128, grids of more than ``quantized_multi_wave_programs_per_sm`` programs
-    per SM use ``quantized_multi_wave_config`` first. Gluon:
+    ``multi_wave_max_tokens`` keys (or read small pages) use ``multi_wave_config``; before that
+    rule, over 1-byte caches (scales per tensor or head, head dim 128, contiguous or small pages)
+    grids of more than ``quantized_resident_programs_per_sm`` and at most
+    ``quantized_multi_wave_resident_programs_per_sm`` programs per SM whose programs read more
+    than ``multi_wave_max_tokens`` keys use ``quantized_multi_wave_config``. Gluon:
     the default for paged caches at ``gluon_head_dims`` whose work items read at most
     ``gluon_max_item_tokens`` keys, with ``gluon_configs`` (``head dim -> (block_n, stages)``),
     over quantized caches too when ``gluon_quantized``.
@@ -258,8 +260,9 @@ class DecodeTuning:
     quantized_contiguous: dict
     quantized_small_pages: dict
     quantized_contiguous_waves: int
-    quantized_multi_wave_programs_per_sm: int
+    quantized_resident_programs_per_sm: int
     quantized_multi_wave_config: DecodeConfig
+    quantized_multi_wave_resident_programs_per_sm: int
     large_page: int
     small_page_two_wave_tokens: int
     min_split_tokens: int
@@ -301,8 +304,9 @@ class DecodeTuning:
             quantized_contiguous=table(triton_part["quantized"]["contiguous"]),
             quantized_small_pages=table(triton_part["quantized"]["small_pages"]),
             quantized_contiguous_waves=triton_part["quantized"]["contiguous_waves"],
-            quantized_multi_wave_programs_per_sm=triton_part["quantized"]["multi_wave_programs_per_sm"],
+            quantized_resident_programs_per_sm=triton_part["quantized"]["resident_programs_per_sm"],
             quantized_multi_wave_config=DecodeConfig(*triton_part["quantized"]["multi_wave_config"]),
+            quantized_multi_wave_resident_programs_per_sm=triton_part["quantized"]["multi_wave_resident_programs_per_sm"],
             large_page=triton_part["large_page"],
             small_page_two_wave_tokens=rules["small_page_two_wave_tokens"],
             min_split_tokens=rules["min_split_tokens"],
