@@ -423,6 +423,76 @@ def test_pages_smaller_than_a_tile_read_what_a_contiguous_cache_holds(page_size,
     assert torch.equal(out, paged_out) and torch.equal(lse, paged_lse)
 
 
+def _step_with_append(fused, q, k_cache, v_cache, k, v, seqlens, block_table, k_scale, v_scale, **kwargs):
+    """One decode step on copies of the cache (and scales): the append fused into the decode
+    kernel, or the append kernel first. Returns output, LSE, caches and scales as raw bits."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    k_scale, v_scale = (None if s is None else s.clone() for s in (k_scale, v_scale))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=DEVICE)
+    new = dict(k_new=k, v_new=v) if fused else {}
+    if not fused:
+        decode.append_kv(k, v, k_cache, v_cache, seqlens, block_table, k_scale, v_scale)
+    decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out, lse, appended=q.shape[1],
+                          k_scale=k_scale, v_scale=v_scale, causal=True, softmax_scale=0.25, **new, **kwargs)
+    bits = (out, lse, k_cache, v_cache, k_scale, v_scale)
+    return [None if x is None else x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int16)
+            if x.element_size() == 2 else x.view(torch.int32) for x in bits]
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+@pytest.mark.parametrize("cache_dtype, granularity", [(torch.float16, None), (torch.float8_e4m3fn, "tensor"),
+                                                      (torch.int8, "token")])
+@pytest.mark.parametrize("seqlen_new, window, num_splits, leftpad", [
+    (1, (-1, -1), 0, False), (3, (5, 0), 3, True), (17, (-1, -1), 2, True), (17, (6, 0), 1, False)])
+def test_the_fused_append_writes_and_reads_what_the_append_kernel_does(page_size, cache_dtype, granularity,
+                                                                       seqlen_new, window, num_splits, leftpad):
+    """``decode_forward(k_new=, v_new=)`` appends inside the decode kernel (each program writes the
+    new tokens of the tiles it reads): output, LSE, the whole cache and the scales bit-identical to
+    the append kernel followed by the decode kernel, over pages smaller and larger than a token,
+    quantized formats and granularities, windows, splits, several row tiles (17 tokens x a group of
+    8) and key starts, one of them past the first new token (a token no program reads)."""
+    batch, kv_heads, group, head_dim = 2, 2, 8 if seqlen_new == 17 else 2, 16
+    lengths = [11, 30]
+    k_cache, v_cache, block_table = make_cache(lengths, seqlen_new, kv_heads, head_dim, torch.float16, page_size)
+    k_scale = v_scale = None
+    if granularity is not None:
+        k_cache, v_cache = ((x * 8).clamp(-100, 100).to(cache_dtype) for x in (k_cache, v_cache))
+        if granularity == "tensor":
+            k_scale, v_scale = (torch.rand(1, device=DEVICE) * 0.1 + 0.01 for _ in range(2))
+        else:
+            k_scale, v_scale = (torch.rand(k_cache.shape[:3], device=DEVICE) * 0.1 + 0.01 for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, seqlen_new, kv_heads * group, head_dim, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(batch, seqlen_new, kv_heads, head_dim, dtype=torch.float16, device=DEVICE) * 3
+    v = torch.randn_like(k)
+    kwargs = dict(window_size=window, num_splits=num_splits, config=decode.DecodeConfig(32, 4, 1))
+    if leftpad:
+        kwargs["cache_leftpad"] = torch.tensor([3, lengths[1] + 1], dtype=torch.int32, device=DEVICE)
+    fused = _step_with_append(True, q, k_cache, v_cache, k, v, seqlens, block_table, k_scale, v_scale, **kwargs)
+    separate = _step_with_append(False, q, k_cache, v_cache, k, v, seqlens, block_table, k_scale, v_scale, **kwargs)
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache", "k_scale", "v_scale"), fused, separate):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_the_fused_append_never_reads_a_slot_another_program_has_yet_to_write():
+    """Two row tiles (a group of 8 x 17 new tokens) under a window: the first tile's last key
+    tile holds new tokens of the second tile's rows, masked for its own rows but still loaded.
+    The program writes them too before reading, so the cache's stale contents there (NaN here)
+    never reach the output."""
+    lengths = [10]
+    k_cache = torch.randn(1, 64, 1, 16, dtype=torch.float16, device=DEVICE)
+    k_cache[0, lengths[0]:] = float("nan")
+    v_cache = k_cache.clone()
+    q = torch.randn(1, 17, 8, 16, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(1, 17, 1, 16, dtype=torch.float16, device=DEVICE)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    kwargs = dict(window_size=(5, 0), config=decode.DecodeConfig(32, 4, 1))
+    fused = _step_with_append(True, q, k_cache, v_cache, k, torch.randn_like(k), seqlens, None, None, None, **kwargs)
+    out = fused[0].view(torch.float16)
+    assert not torch.isnan(out).any()
+
+
 # ---- baseline ---------------------------------------------------------------------------------
 
 

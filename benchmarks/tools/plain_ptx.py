@@ -104,7 +104,7 @@ DECODE_UNIT = ("bt_strides[1]", "seqlens_stride", "lse_strides[3]", "alibi_strid
 
 def as_current(values: dict, decode: bool) -> dict:
     """A plain launch's arguments for the current one-kernel-per-family signature: the feature
-    pointers (ALiBi slopes, sinks, packed offsets, key starts) are the call's q (or lengths) as
+    pointers (ALiBi slopes, sinks, packed offsets, key starts, new keys/values) are the call's q (or lengths) as
     a plain launch passes them, strides are tuples, the features off."""
     current = {**values, **VARIANT_SCALARS, "Slopes": values["Q"], "Sinks": values["Q"],
                "window_left": "i32", "window_right": "i32"}
@@ -113,7 +113,8 @@ def as_current(values: dict, decode: bool) -> dict:
     if decode:
         current.update(Starts="*i32", seqlens_stride="i32", sink_stride="i32", start_stride="i32", HAS_START=False,
                        KScale=values["Q"], VScale=values["Q"], ks_strides=("i32",) * 3, vs_strides=("i32",) * 3,
-                       KV_SCALE=0, _unit_strides=DECODE_UNIT)
+                       KV_SCALE=0, KNew=values["Q"], VNew=values["Q"], knew_strides=("i32",) * 3,
+                       vnew_strides=("i32",) * 3, APPEND=False, _unit_strides=DECODE_UNIT)
     else:
         current.update(CuSeqlensQ=values["Q"], CuSeqlensK=values["Q"], sink_stride="i32", num_seqs=1,
                        IS_VARLEN=False, BLOCK_B=1)

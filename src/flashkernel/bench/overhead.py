@@ -20,7 +20,8 @@ cuDNN backend's eager call, its backend chosen once outside the timed calls):
 
 Shapes (bf16): decode, 32 query heads, 8 KV heads, head dim 128, one new token, batch 1/8/64 x
 context 1k/4k, contiguous and pages of 16 (cuDNN gets the contiguous cache in its preferred
-``[B, H, S, D]`` layout); prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256,
+``[B, H, S, D]`` layout); ``--sections append``: the same steps appending the new token's key and
+value (:func:`append_rows`); prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256,
 seqlen 512/1k/2k, causal and not. ``--sections compiled``: a 32-layer attention-only decode loop
 (append + attend per layer, B=1 and 8, context 1k) as eager calls, under ``torch.compile`` and
 under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step. ``--sections
@@ -151,6 +152,47 @@ def decode_rows(label: str) -> list[dict]:
             row = dict(workload="decode", label=label, provider=name, batch=batch, context=context, page_size=page,
                        **measure(fn, timer_context))
             print(f"decode b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
+            rows.append(row)
+        del q, k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def append_rows(label: str) -> list[dict]:
+    """Decode steps that append the new token's key and value (what a serving loop calls): the
+    caches hold ``context`` tokens and room for one more, each call writes slot ``context`` and
+    attends to ``context + 1`` keys. SDPA gets the same step as a cache write (``index_copy_``,
+    as transformers' static cache does) plus its cuDNN call."""
+    rows = []
+    for batch, context, page in DECODE:
+        q, k_cache, v_cache, seqlens, block_table = decode_inputs(batch, context + (page or 1), page)
+        seqlens.fill_(context)
+        k = torch.randn(batch, 1, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        providers = {"flashkernel": lambda: flashkernel.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, block_table=block_table)}
+        if hasattr(flashkernel, "DecodePlan"):
+            plan = flashkernel.DecodePlan(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                          block_table=block_table)
+            providers["flashkernel_plan_run"] = lambda: plan.run(q, k_cache, v_cache, k, v)
+            if "out" in inspect.signature(plan.run).parameters:
+                out = torch.empty_like(q)
+                providers["flashkernel_plan_run_out"] = lambda: plan.run(q, k_cache, v_cache, k, v, out=out)
+        if page == 0:
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k_cache[:, :context + 1], v_cache[:, :context + 1]))
+            kn, vn = (x.transpose(1, 2) for x in (k, v))
+            slot = torch.tensor([context], device="cuda")
+
+            def sdpa_step():
+                kt.index_copy_(2, slot, kn)
+                vt.index_copy_(2, slot, vn)
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            providers["sdpa_cudnn"] = sdpa_step
+        for name, fn in providers.items():
+            timer_context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
+            row = dict(workload="append", label=label, provider=name, batch=batch, context=context, page_size=page,
+                       **measure(fn, timer_context))
+            print(f"append b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
             rows.append(row)
         del q, k_cache, v_cache
         torch.cuda.empty_cache()
@@ -289,13 +331,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--label", default="current", help="name of this build in the results")
-    parser.add_argument("--sections", nargs="+", default=["decode", "prefill", "compiled", "growing"],
-                        choices=("decode", "prefill", "compiled", "growing"))
+    parser.add_argument("--sections", nargs="+", default=["decode", "append", "prefill", "compiled", "growing"],
+                        choices=("decode", "append", "prefill", "compiled", "growing"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for section in args.sections:
-        rows += {"decode": decode_rows, "prefill": prefill_rows, "compiled": compiled_rows,
+        rows += {"decode": decode_rows, "append": append_rows, "prefill": prefill_rows, "compiled": compiled_rows,
                  "growing": growing_rows}[section](args.label)
     doc = dict(command=" ".join(sys.argv), label=args.label, gpu=torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),

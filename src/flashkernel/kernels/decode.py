@@ -82,6 +82,7 @@ LOG2E = math.log2(math.e)
 # accumulator of BLOCK_M x D must fit in registers), and the append kernel's tile.
 MAX_TILE_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}
 APPEND_TILE_ELEMENTS = 4096
+_APPEND_ELEMENTS = tl.constexpr(1024)  # new tokens x head dim per step of a decode program's fused append
 INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
 INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; a small count still exercises splitting
 
@@ -352,7 +353,7 @@ def _store_rows(
 
 @triton.jit
 def _decode_program(
-    Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+    Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts, KNew, VNew,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -362,6 +363,7 @@ def _decode_program(
     stride_os, stride_ob, stride_ot, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lt,
     stride_ab, stride_ah, stride_sh, stride_st,
+    stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
@@ -370,7 +372,7 @@ def _decode_program(
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr, KV_SCALE: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, APPEND: tl.constexpr,
 ):
     # Program id -> (batch, kv_head, split, row tile), row tile fastest, in one grid axis.
     pid = tl.program_id(0)
@@ -381,8 +383,8 @@ def _decode_program(
     kv_head = rest % num_kv_heads
     batch = (rest // num_kv_heads).to(tl.int64)
 
-    length = tl.load(SeqLens + batch * stride_sl) + appended
-    length = tl.minimum(tl.maximum(length, 0), capacity)
+    cached = tl.load(SeqLens + batch * stride_sl)
+    length = tl.minimum(tl.maximum(cached + appended, 0), capacity)
     if HAS_START:
         # Keys [key_start, length) of the cache, counted from key_start from here on.
         key_start = tl.minimum(tl.maximum(tl.load(Starts + batch * stride_st), 0), length)
@@ -436,6 +438,17 @@ def _decode_program(
     if KV_SCALE != 0:
         KScale = KScale + kv_head64 * stride_ksh
         VScale = VScale + kv_head64 * stride_vsh
+    if APPEND:
+        # The new tokens in this program's tiles (the append kernel's work, fused: one launch
+        # less per step); the barrier makes every thread's writes visible to the tile loads.
+        _append_tile_tokens(
+            KNew + batch * stride_nkb + kv_head64 * stride_nkh, VNew + batch * stride_nvb + kv_head64 * stride_nvh,
+            K, V, KScale, VScale, bt_row, stride_btn, batch, stride_nkt, stride_nvt,
+            stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss,
+            cached - key_start, key_start, lo, lo + tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N) * BLOCK_N,
+            (split == 0) & (row_tile == 0), seqlen_new, capacity, num_blocks,
+            HEAD_DIM, BLOCK_D, PAGE_SIZE, KV_SCALE, _APPEND_ELEMENTS // BLOCK_D)
+        tl.debug_barrier()
     if KV_SCALE == 1:
         # One scale per KV head (a per-tensor scale has head stride 0): K's joins the scores'
         # scale, V's multiplies the output (below).
@@ -509,9 +522,9 @@ def _decode_program(
 # kernel's before the variants). Strides travel as one tuple per tensor.
 @triton.jit(do_not_specialize=["window_left", "window_right"])
 def _decode_kernel(
-    Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+    Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts, KNew, VNew,
     q_strides, k_strides, v_strides, ks_strides, vs_strides, bt_strides, seqlens_stride,
-    o_strides, lse_strides, alibi_strides, sink_stride, start_stride,
+    o_strides, lse_strides, alibi_strides, sink_stride, start_stride, knew_strides, vnew_strides,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
@@ -520,15 +533,16 @@ def _decode_kernel(
     CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr, KV_SCALE: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, APPEND: tl.constexpr = False,
 ):
     """Grid ``(B * Hkv * splits * row tiles,)``. Strides: ``q (b, t, h)``, caches and their
     scales ``(block or b, slot, h)`` (scales: 0 where the granularity has no such axis), block
     table ``(b, column)``, outputs ``(split, b, t, h)``, LSE ``(split, b, h, t)``, ALiBi ``(b,
-    h)``. ``KV_SCALE``: 0 a cache in q's dtype, 1 a quantized cache with a scale per KV head (or
-    per tensor), 2 per token and KV head."""
+    h)``, new keys/values ``(b, t, h)``. ``KV_SCALE``: 0 a cache in q's dtype, 1 a quantized
+    cache with a scale per KV head (or per tensor), 2 per token and KV head. ``APPEND``: write
+    ``KNew``/``VNew`` into the cache first (:func:`_append_tile_tokens`)."""
     _decode_program(
-        Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts,
+        Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts, KNew, VNew,
         q_strides[0], q_strides[1], q_strides[2],
         k_strides[0], k_strides[1], k_strides[2],
         v_strides[0], v_strides[1], v_strides[2],
@@ -538,12 +552,13 @@ def _decode_kernel(
         o_strides[0], o_strides[1], o_strides[2], o_strides[3],
         lse_strides[0], lse_strides[1], lse_strides[2], lse_strides[3],
         alibi_strides[0], alibi_strides[1], sink_stride, start_stride,
+        knew_strides[0], knew_strides[1], knew_strides[2], vnew_strides[0], vnew_strides[1], vnew_strides[2],
         seqlen_new, appended, capacity, num_blocks,
         num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
         window_left, window_right, softcap_in, softcap_out,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
         HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_START, KV_SCALE,
-        DOT_F32, DOT_PRECISION,
+        DOT_F32, DOT_PRECISION, APPEND,
     )
 
 
@@ -653,6 +668,70 @@ def _quantized(x, Scale, scale_offs, row_ok, PER_TOKEN: tl.constexpr, OUT: tl.co
     else:
         y = _round_to_e4m3(y)
     return y.to(OUT)
+
+
+@triton.jit
+def _append_tile_tokens(
+    KNew, VNew, K, V, KScale, VScale, bt_row, stride_btn, batch,
+    stride_nkt, stride_nvt,
+    stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss,
+    first_key, key_start, lo, tiles_end, below_start, seqlen_new, capacity, num_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_SCALE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """The append fused into a decode program (``APPEND``): write the new tokens of one KV head
+    whose keys lie in the tiles this program reads, ``[lo, tiles_end)``, and with
+    ``below_start`` also those below the sequence's key start (which no program reads).
+
+    Keys count from the key start: new token ``t`` has key ``first_key + t`` and cache position
+    ``first_key + t + key_start`` (``cache_seqlens[b] + t``). Every key a program reads is one it
+    wrote itself or one that was in the cache before the call, so no program waits on another;
+    programs of several row tiles (or overlapping window spans) write the same bytes. As in
+    :func:`_append_kernel`, positions outside ``[0, capacity)`` or on a page index outside
+    ``[0, num_blocks)`` are skipped, and a quantized cache gets :func:`_quantized` values (per-token
+    scales written beside the slot). ``KNew``/``VNew`` (at the batch and KV head), ``K``, ``V``
+    and the scales already point at the KV head; ``V`` may be a 1-byte cache's int16 words
+    (:func:`value_operand`), written byte by byte.
+    """
+    t_begin = tl.maximum(lo - first_key, 0)
+    t_end = tl.minimum(tiles_end - first_key, seqlen_new)
+    if below_start:
+        t_begin = 0
+        t_end = tl.maximum(t_end, tl.minimum(-first_key, seqlen_new))
+    if V.dtype.element_ty == tl.int16:  # strides in words of two entries
+        VB = V.to(tl.pointer_type(K.dtype.element_ty), bitcast=True)
+        stride_vb = stride_vb * 2
+        stride_vs = stride_vs * 2
+    else:
+        VB = V
+    offs_d = tl.arange(0, BLOCK_D)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        tokens = t0 + tl.arange(0, BLOCK_T)
+        keys = first_key + tokens
+        mine = (keys >= lo) & (keys < tiles_end)
+        if below_start:
+            mine = mine | (keys < 0)
+        pos = keys + key_start
+        ok = mine & (tokens < t_end) & (pos >= 0) & (pos < capacity)
+        if PAGE_SIZE == 0:
+            block = batch + tl.zeros([BLOCK_T], dtype=tl.int64)
+            slot = pos.to(tl.int64)
+        else:
+            block = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btn, mask=ok, other=-1)
+            ok = ok & (block >= 0) & (block < num_blocks)
+            block = block.to(tl.int64)
+            slot = (pos % PAGE_SIZE).to(tl.int64)
+        tokens64 = tokens.to(tl.int64)
+        mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(KNew + tokens64[:, None] * stride_nkt + offs_d[None, :], mask=mask)
+        v = tl.load(VNew + tokens64[:, None] * stride_nvt + offs_d[None, :], mask=mask)
+        if KV_SCALE != 0:
+            k = _quantized(tl.where(mask, k, 0.0), KScale, block * stride_ksb + slot * stride_kss, ok,
+                           KV_SCALE == 2, K.dtype.element_ty)
+            v = _quantized(tl.where(mask, v, 0.0), VScale, block * stride_vsb + slot * stride_vss, ok,
+                           KV_SCALE == 2, K.dtype.element_ty)
+        tl.store(K + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], k, mask=mask)
+        tl.store(VB + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], v, mask=mask)
 
 
 @triton.jit
@@ -1004,9 +1083,12 @@ def decode_forward(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tuned: DecodeTuning | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> None:
-    """Attend ``q`` to the cache (new keys already appended: ``appended`` of them, 0 or T);
-    writes ``out`` and ``lse`` (or None). A quantized cache (float8_e4m3fn or int8) comes with
+    """Attend ``q`` to the cache (new keys already appended: ``appended`` of them, 0 or T; or
+    ``k_new, v_new [B, T, Hkv, D]`` given, ``appended`` T: appended by the decode kernel
+    itself, as :func:`append_kv` would, in the same launch); writes ``out`` and ``lse`` (or None). A quantized cache (float8_e4m3fn or int8) comes with
     ``k_scale``/``v_scale`` of one granularity (:func:`scale_args`).
 
     Shapes: ``q [B, T, Hq, D]``, caches as in the module docstring, ``cache_seqlens [B]``
@@ -1030,23 +1112,26 @@ def decode_forward(
     mods = variant.kernel_args(softmax_scale, seqlen_new, geometry.capacity, unused=q)
     _, vs_strides = scale_args(v_scale)
     v_operand = value_operand(v_cache, kv_scale != 0)
+    append = k_new is not None
     # Arguments named in LENGTH_ARGUMENTS are rebound by rebind_lengths: change them together.
     _launch_decode(
         plan.grid,
         q, k_cache, v_operand, k_scale if kv_scale else q, v_scale if kv_scale else q,
         bt, cache_seqlens, target, target_lse if target_lse is not None else target,
         mods.pop("Slopes"), mods.pop("Sinks"), cache_leftpad if cache_leftpad is not None else cache_seqlens,
+        k_new if append else q, v_new if append else q,
         _strides3(q), _strides3(k_cache), _strides3(v_operand), ks_strides, vs_strides, bt_strides,
         cache_seqlens.stride(0),
         o_strides, l_strides, mods.pop("alibi_strides"), mods.pop("sink_stride"),
         cache_leftpad.stride(0) if cache_leftpad is not None else 0,
+        _strides3(k_new) if append else (0, 0, 0), _strides3(v_new) if append else (0, 0, 0),
         seqlen_new=seqlen_new, appended=appended, capacity=geometry.capacity, num_blocks=geometry.num_blocks,
         num_kv_heads=k_cache.shape[2], group=plan.group, num_row_tiles=plan.num_row_tiles, num_splits=num_splits,
         qk_scale=softmax_scale * LOG2E,
         HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
         BLOCK_M=plan.block_m, BLOCK_N=plan.config.block_n, PAGE_SIZE=geometry.page_size,
         WRITE_LSE=target_lse is not None, HAS_START=cache_leftpad is not None, KV_SCALE=kv_scale,
-        num_warps=plan.num_warps, num_stages=plan.config.num_stages,
+        APPEND=append, num_warps=plan.num_warps, num_stages=plan.config.num_stages,
         **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
     )
     if num_splits > 1:

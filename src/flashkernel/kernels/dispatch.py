@@ -289,10 +289,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=N
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     chosen = decode_backend(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad,
                             k_scale)
-    if k_new is not None:
-        triton_decode.append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
     appended = q.shape[1] if k_new is not None else 0
     if chosen == "gluon":
+        if k_new is not None:
+            triton_decode.append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
         geometry = triton_decode.CacheGeometry.of(k_cache, block_table)
         gluon = _gluon_decode_module()
         gluon.attend(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, page_size=geometry.page_size,
@@ -306,7 +306,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=N
                                      causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                      sinks=sinks, cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale,
-                                     tuned=tuned)
+                                     tuned=tuned, k_new=k_new, v_new=v_new)
     return chosen
 
 
