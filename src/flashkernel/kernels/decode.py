@@ -698,10 +698,9 @@ def _append_tile_tokens(
     if below_start:
         t_begin = 0
         t_end = tl.maximum(t_end, tl.minimum(-first_key, seqlen_new))
-    if V.dtype.element_ty == tl.int16:  # strides in words of two entries
+    V_WORDS: tl.constexpr = V.dtype.element_ty == tl.int16  # strides in words of two entries
+    if V_WORDS:
         VB = V.to(tl.pointer_type(K.dtype.element_ty), bitcast=True)
-        stride_vb = stride_vb * 2
-        stride_vs = stride_vs * 2
     else:
         VB = V
     offs_d = tl.arange(0, BLOCK_D)
@@ -731,7 +730,10 @@ def _append_tile_tokens(
             v = _quantized(tl.where(mask, v, 0.0), VScale, block * stride_vsb + slot * stride_vss, ok,
                            KV_SCALE == 2, K.dtype.element_ty)
         tl.store(K + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], k, mask=mask)
-        tl.store(VB + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], v, mask=mask)
+        v_rows = block * stride_vb + slot * stride_vs  # int64: a word offset may pass 2**31 bytes
+        if V_WORDS:
+            v_rows = v_rows * 2
+        tl.store(VB + v_rows[:, None] + offs_d[None, :], v, mask=mask)
 
 
 @triton.jit
