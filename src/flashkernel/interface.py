@@ -452,7 +452,7 @@ def flash_attn_with_kvcache(
               beside each cache slot.
 
             Cache entry ``c`` with scale ``s`` stands for ``c * s``. Appended tokens are
-            quantized in the append kernel: ``x / s`` in float32, saturated to the format's
+            quantized on the way in: ``x / s`` in float32, saturated to the format's
             range (+-448 for e4m3, +-127 for int8), rounded to nearest even. With per-tensor or
             per-head scales, ``s`` is the given (static) scale: values beyond ``448 * s`` (int8:
             ``127 * s``) saturate. With per-token scales each new token and head gets ``s = max

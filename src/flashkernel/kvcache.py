@@ -11,7 +11,7 @@ Host lists are the source of truth; the device tensors are updated in place (nev
 reallocated), so a CUDA graph that captured them sees every change. Entries of ``block_table``
 that name no page hold -1, never a valid page index: a step that appends to a sequence without
 :meth:`KVCache.reserve` is refused by ``flash_attn_with_kvcache``'s checks (CPU tensors, or
-``validate=True``) or skipped by its append kernel, and never lands in another sequence's page.
+``validate=True``) or skipped by the append, and never lands in another sequence's page.
 One decode step::
 
     cache.reserve(1)                      # pages for one more token per sequence (host work)

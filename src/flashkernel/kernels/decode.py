@@ -1,18 +1,22 @@
 """Decode over a KV cache in Triton: a few new query tokens per sequence attend to a long cache.
 
-Three kernels, launched in this order by :func:`decode_forward`:
+Two kernels, launched in this order by :func:`decode_forward`:
 
-1. ``_append_kernel`` writes the new ``k, v [B, T, Hkv, D]`` into the cache in place at
-   positions ``cache_seqlens[b] .. cache_seqlens[b] + T - 1`` (through the block table when
-   paged). ``cache_seqlens`` itself is not modified.
-2. ``_decode_kernel``: one program per ``(batch, kv_head, row tile, split)``. All
+1. ``_decode_kernel``: one program per ``(batch, kv_head, row tile, split)``. All
    ``group = Hq // Hkv`` query heads of one KV head, times the ``T`` new tokens, form one tile
    of ``group * T`` rows (row ``r`` is token ``r // group`` of query head
    ``kv_head * group + r % group``), padded to >= 16 rows for ``tl.dot``. So every K/V byte is
    read once per step, not once per query head. The context ``[0, L)`` of a sequence is cut
    into ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program streams one run and
    writes a normalized partial output and its log-sum-exp (float32) to a workspace.
-3. ``combine`` (``kernels/combine.py``) merges the splits exactly by log-sum-exp. With one
+   With new ``k, v [B, T, Hkv, D]`` (``APPEND``), each program first writes into the cache, in
+   place, the new tokens that fall in the key tiles it will read (positions ``cache_seqlens[b]
+   .. cache_seqlens[b] + T - 1``, through the block table when paged; ``cache_seqlens`` itself
+   is not modified) and passes a CTA barrier (:func:`_append_tile_tokens`). Every key a program
+   reads is then one it wrote or one that was in the cache before: the append needs no launch
+   of its own. ``_append_kernel`` makes the same writes as a kernel of their own, for the Gluon
+   decode kernel and :func:`append_kv`.
+2. ``combine`` (``kernels/combine.py``) merges the splits exactly by log-sum-exp. With one
    split the decode kernel writes the final output directly and nothing else runs.
 
 Cache layouts (``PAGE_SIZE`` constexpr): contiguous ``[B, S_max, Hkv, D]`` (``PAGE_SIZE`` 0)
@@ -37,7 +41,7 @@ back when it addresses the cache, so the splits share out only the keys that exi
 
 Quantized caches (``KV_SCALE``, 0 without): float8_e4m3fn or int8 entries with float32 scales,
 one per KV head (a per-tensor scale is a head stride of 0: ``KV_SCALE`` 1) or one per token and
-KV head beside each slot (``KV_SCALE`` 2). The append kernel quantizes the new tokens
+KV head beside each slot (``KV_SCALE`` 2). The append (fused or the append kernel) quantizes the new tokens
 (:func:`_quantized`: ``x / s``, saturated, rounded to nearest even; per-token scales computed
 from the token and stored). The decode kernel computes in fp16 (:func:`_queries_as_f16`,
 :func:`_cache_values`: exact conversions), folds scales per KV head into the scores' scale and
@@ -50,7 +54,7 @@ q's dtype compiles none of it.
 Robustness without host synchronisation: lengths are clamped to ``[0, capacity]``, starts to
 ``[0, length]``, and page indices read from the block table to ``[0, num_blocks)``, so bad
 values (when the caller did not validate them) give wrong numbers, never out-of-bounds
-accesses; the append kernel skips slots it cannot address instead of clamping them.
+accesses; appends skip slots they cannot address instead of clamping them.
 
 Tile shapes and the split rules are data (``tuned/decode.json``, read by ``tuning.py`` into a
 :class:`tuning.DecodeTuning` that :func:`decode_forward` takes explicitly).
