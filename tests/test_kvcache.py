@@ -423,7 +423,8 @@ def test_pages_smaller_than_a_tile_read_what_a_contiguous_cache_holds(page_size,
     assert torch.equal(out, paged_out) and torch.equal(lse, paged_lse)
 
 
-def _step_with_append(fused, q, k_cache, v_cache, k, v, seqlens, block_table, k_scale, v_scale, **kwargs):
+def _step_with_append(fused, q, k_cache, v_cache, k, v, seqlens, block_table, k_scale, v_scale, causal=True,
+                      **kwargs):
     """One decode step on copies of the cache (and scales): the append fused into the decode
     kernel, or the append kernel first. Returns output, LSE, caches and scales as raw bits."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
@@ -434,7 +435,7 @@ def _step_with_append(fused, q, k_cache, v_cache, k, v, seqlens, block_table, k_
     if not fused:
         decode.append_kv(k, v, k_cache, v_cache, seqlens, block_table, k_scale, v_scale)
     decode.decode_forward(q, k_cache, v_cache, seqlens, block_table, out, lse, appended=q.shape[1],
-                          k_scale=k_scale, v_scale=v_scale, causal=True, softmax_scale=0.25, **new, **kwargs)
+                          k_scale=k_scale, v_scale=v_scale, causal=causal, softmax_scale=0.25, **new, **kwargs)
     bits = (out, lse, k_cache, v_cache, k_scale, v_scale)
     return [None if x is None else x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int16)
             if x.element_size() == 2 else x.view(torch.int32) for x in bits]
@@ -443,15 +444,18 @@ def _step_with_append(fused, q, k_cache, v_cache, k, v, seqlens, block_table, k_
 @pytest.mark.parametrize("page_size", [None, 1, 16])
 @pytest.mark.parametrize("cache_dtype, granularity", [(torch.float16, None), (torch.float8_e4m3fn, "tensor"),
                                                       (torch.int8, "token")])
-@pytest.mark.parametrize("seqlen_new, window, num_splits, leftpad", [
-    (1, (-1, -1), 0, False), (3, (5, 0), 3, True), (17, (-1, -1), 2, True), (17, (6, 0), 1, False)])
+@pytest.mark.parametrize("seqlen_new, causal, window, num_splits, leftpad", [
+    (1, True, (-1, -1), 0, False), (3, True, (5, 0), 3, True), (17, True, (-1, -1), 2, True),
+    (17, True, (6, 0), 1, False), (17, False, (3, 2), 2, True)])
 def test_the_fused_append_writes_and_reads_what_the_append_kernel_does(page_size, cache_dtype, granularity,
-                                                                       seqlen_new, window, num_splits, leftpad):
+                                                                       seqlen_new, causal, window, num_splits,
+                                                                       leftpad):
     """``decode_forward(k_new=, v_new=)`` appends inside the decode kernel (each program writes the
     new tokens of the tiles it reads): output, LSE, the whole cache and the scales bit-identical to
     the append kernel followed by the decode kernel, over pages smaller and larger than a token,
-    quantized formats and granularities, windows, splits, several row tiles (17 tokens x a group of
-    8) and key starts, one of them past the first new token (a token no program reads)."""
+    quantized formats and granularities, causal and two-sided windows, splits, several row tiles
+    (17 tokens x a group of 8) and key starts, one of them past the first new token (a token no
+    program reads)."""
     batch, kv_heads, group, head_dim = 2, 2, 8 if seqlen_new == 17 else 2, 16
     lengths = [11, 30]
     k_cache, v_cache, block_table = make_cache(lengths, seqlen_new, kv_heads, head_dim, torch.float16, page_size)
@@ -466,7 +470,7 @@ def test_the_fused_append_writes_and_reads_what_the_append_kernel_does(page_size
     q = torch.randn(batch, seqlen_new, kv_heads * group, head_dim, dtype=torch.float16, device=DEVICE)
     k = torch.randn(batch, seqlen_new, kv_heads, head_dim, dtype=torch.float16, device=DEVICE) * 3
     v = torch.randn_like(k)
-    kwargs = dict(window_size=window, num_splits=num_splits, config=decode.DecodeConfig(32, 4, 1))
+    kwargs = dict(causal=causal, window_size=window, num_splits=num_splits, config=decode.DecodeConfig(32, 4, 1))
     if leftpad:
         kwargs["cache_leftpad"] = torch.tensor([3, lengths[1] + 1], dtype=torch.int32, device=DEVICE)
     fused = _step_with_append(True, q, k_cache, v_cache, k, v, seqlens, block_table, k_scale, v_scale, **kwargs)
@@ -491,6 +495,16 @@ def test_the_fused_append_never_reads_a_slot_another_program_has_yet_to_write():
     fused = _step_with_append(True, q, k_cache, v_cache, k, torch.randn_like(k), seqlens, None, None, None, **kwargs)
     out = fused[0].view(torch.float16)
     assert not torch.isnan(out).any()
+
+
+def test_decode_forward_refuses_new_tokens_it_is_told_are_already_appended():
+    q = torch.randn(1, 2, 2, 16, dtype=torch.float16, device=DEVICE)
+    k_cache = torch.randn(1, 8, 1, 16, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(1, 2, 1, 16, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="pass appended=2, not 0"):
+        decode.decode_forward(q, k_cache, k_cache.clone(), torch.zeros(1, dtype=torch.int32, device=DEVICE), None,
+                              torch.empty_like(q), None, appended=0, causal=True, softmax_scale=0.25, k_new=k,
+                              v_new=k.clone())
 
 
 # ---- baseline ---------------------------------------------------------------------------------

@@ -1092,10 +1092,11 @@ def decode_forward(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
 ) -> None:
-    """Attend ``q`` to the cache (new keys already appended: ``appended`` of them, 0 or T; or
-    ``k_new, v_new [B, T, Hkv, D]`` given, ``appended`` T: appended by the decode kernel
-    itself, as :func:`append_kv` would, in the same launch); writes ``out`` and ``lse`` (or None). A quantized cache (float8_e4m3fn or int8) comes with
-    ``k_scale``/``v_scale`` of one granularity (:func:`scale_args`).
+    """Attend ``q`` to the cache; writes ``out`` and ``lse`` (or None). New keys are already
+    appended (``appended`` of them, 0 or T), or given as ``k_new, v_new [B, T, Hkv, D]`` with
+    ``appended`` T: the decode kernel appends them itself, as :func:`append_kv` would, in the
+    same launch. A quantized cache (float8_e4m3fn or int8) comes with ``k_scale``/``v_scale`` of
+    one granularity (:func:`scale_args`).
 
     Shapes: ``q [B, T, Hq, D]``, caches as in the module docstring, ``cache_seqlens [B]``
     int32, ``out [B, T, Hq, D]``, ``lse [B, Hq, T]`` float32, ``cache_leftpad [B]`` int32 or
@@ -1104,6 +1105,9 @@ def decode_forward(
     see :func:`attended_span`). The variant arguments are those of ``flash_attn_with_kvcache``.
     ``config`` overrides the tuned tile; ``tuned`` the tuning (default: the device's).
     """
+    if k_new is not None and appended != q.shape[1]:
+        raise ValueError(f"decode_forward appends k_new's {q.shape[1]} tokens itself: pass appended={q.shape[1]}, "
+                         f"not {appended}")
     interpreted = is_interpreted(_decode_kernel)
     geometry = CacheGeometry.of(k_cache, block_table)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
