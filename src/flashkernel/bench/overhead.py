@@ -147,14 +147,21 @@ def decode_rows(label: str) -> list[dict]:
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k_cache, v_cache))
             providers["sdpa_cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
                                                                                                enable_gqa=True)
-        for name, fn in providers.items():
-            timer_context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
-            row = dict(workload="decode", label=label, provider=name, batch=batch, context=context, page_size=page,
-                       **measure(fn, timer_context))
-            print(f"decode b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
-            rows.append(row)
+        rows += step_rows("decode", label, batch, context, page, providers)
         del q, k_cache, v_cache
         torch.cuda.empty_cache()
+    return rows
+
+
+def step_rows(workload: str, label: str, batch: int, context: int, page: int, providers: dict) -> list[dict]:
+    """One row of :func:`measure` per provider of a decode step (SDPA's under its cuDNN backend)."""
+    rows = []
+    for name, fn in providers.items():
+        timer_context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
+        row = dict(workload=workload, label=label, provider=name, batch=batch, context=context, page_size=page,
+                   **measure(fn, timer_context))
+        print(f"{workload} b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -188,12 +195,7 @@ def append_rows(label: str) -> list[dict]:
                 vt.index_copy_(2, slot, vn)
                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
             providers["sdpa_cudnn"] = sdpa_step
-        for name, fn in providers.items():
-            timer_context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
-            row = dict(workload="append", label=label, provider=name, batch=batch, context=context, page_size=page,
-                       **measure(fn, timer_context))
-            print(f"append b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
-            rows.append(row)
+        rows += step_rows("append", label, batch, context, page, providers)
         del q, k_cache, v_cache
         torch.cuda.empty_cache()
     return rows
