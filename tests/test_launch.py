@@ -228,12 +228,43 @@ def test_native_launch_packs_parameters_as_tritons_launcher():
     signature = {"X": "*bf16", "Y": "*fp32", "strides": ("i32", "i64"), "n": "i32", "scale": "fp32",
                  "one": "constexpr", "BLOCK": "constexpr"}
     values = (None, 0x1000, (3, -5), 7, 0.5, 1, 64)
-    storage, slots = _native.pack(signature, values, {0: (2, 16)})
+    storage, slots, maps = _native.pack(signature, values, {0: (2, 16)})
     words = [storage[i:i + 8] for i in range(0, len(storage), 8)]
-    assert len(words) == 6 + 2
+    assert len(words) == 6 + 2 and maps == ()
     assert slots == ((0, 2, 16),)
     assert struct.unpack("<Q", words[1])[0] == 0x1000
     assert struct.unpack("<i", words[2][:4])[0] == 3 and struct.unpack("<q", words[3])[0] == -5
     assert struct.unpack("<i", words[4][:4])[0] == 7 and struct.unpack("<f", words[5][:4])[0] == 0.5
     assert words[6] == words[7] == b"\0" * 8
-    assert _native.pack({"D": "tensordesc<bf16[64, 64]>"}, (None,), {}) is None
+
+
+def test_native_launch_packs_tma_descriptors_as_tritons_launcher():
+    """A host TMA descriptor is Triton's launcher's ``CUtensorMap`` parameter (a placeholder
+    word the C module points at the encoded map), then its shape as i32 and strides as i64; the
+    map is encoded as ``make_tensordesc_arg`` encodes it (dims, box innermost first, outer
+    strides in bytes, the driver's element type). Without Triton's metadata: not packed."""
+    import struct
+
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    from flashkernel.kernels import _native
+
+    signature = {"X": "*fp32", "D": "tensordesc<bf16[1, 64, 1, 128], NVMMASharedLayout>", "n": "i32",
+                 "BLOCK": "constexpr"}
+    shape, strides = [2, 300, 8, 128], [300 * 8 * 128, 8 * 128, 128, 1]
+    meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 64, 1, 128], "fp4_padded": False}]
+    descriptor = (4, shape, strides, "zero", 0x7F0000000000)
+    storage, slots, maps = _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {1: descriptor}, meta)
+    words = [storage[i:i + 8] for i in range(0, len(storage), 8)]
+    assert len(words) == 1 + 1 + 4 + 4 + 1 + 2
+    assert slots == ((0, 0, 0),)
+    assert words[1] == b"\0" * 8  # the map's placeholder
+    assert [struct.unpack("<i", w[:4])[0] for w in words[2:6]] == shape
+    assert [struct.unpack("<q", w)[0] for w in words[6:10]] == strides
+    assert struct.unpack("<i", words[10][:4])[0] == 5
+    assert maps == ((1, 4, 0x7F0000000000, TMA_DTYPE_DEVICE_TO_HOST[9], (128, 8, 300, 2),
+                     (2 * 128, 2 * 8 * 128, 2 * 300 * 8 * 128), (128, 1, 64, 1), 3, 0),)
+    assert _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {1: descriptor}, None) is None
+    assert _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {}, meta) is None
+    nan = (4, shape, strides, "nan", 0x7F0000000000)
+    assert _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {1: nan}, meta)[2][0][-1] == 1

@@ -268,6 +268,51 @@ def test_replayed_calls_equal_the_full_path_gpu():
         assert len(interface._EAGER_CALLS) >= 1, interface._EAGER_CALLS.last_refusal
 
 
+def _tma_replay_cases():
+    """Calls whose kernels take host TMA descriptors (the Gluon kernels), as (fn, make_inputs,
+    kwargs): ``make_inputs()`` gives fresh tensors of one layout at new addresses."""
+    cases = []
+    for dtype, head_dim, causal in ((torch.bfloat16, 128, True), (torch.float16, 64, False),
+                                    (torch.bfloat16, 256, False)):
+        cases.append((flashkernel.flash_attn_func,
+                      lambda dtype=dtype, head_dim=head_dim: random_qkv(2, 300, 500, 8, 2, head_dim, dtype),
+                      dict(causal=causal, return_lse=True, backend="gluon")))
+
+    def paged():
+        q, k_cache, v_cache, _, _, seqlens = _cache_inputs(2, 1024, 8, 32, 128, torch.bfloat16, 1, (1000, 517))
+        table = torch.randperm(128, device=DEVICE).to(torch.int32).view(2, 64)
+        return q, k_cache.view(-1, 16, 8, 128), v_cache.view(-1, 16, 8, 128), seqlens, table
+
+    cases.append((lambda q, k, v, seqlens, table, **kw: flashkernel.flash_attn_with_kvcache(
+        q, k, v, cache_seqlens=seqlens, block_table=table, **kw), paged, dict(return_lse=True, backend="gluon")))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(4))
+def test_replays_with_tma_descriptors_go_through_the_c_launcher_bit_identical_gpu(case):
+    """A replayed Gluon launch is packed for the C launcher (its descriptors encoded once, their
+    addresses replaced per run) and gives the full path's results bit for bit on other tensors."""
+    from flashkernel.kernels import _native
+
+    if _native.module() is None:
+        pytest.skip("the C launcher cannot be built here")
+    fn, make_inputs, kwargs = _tma_replay_cases()[case]
+    recorded, other = make_inputs(), make_inputs()
+    try:
+        want = _full_path(fn, *other, **kwargs)
+    except ValueError as error:  # no Gluon kernel for this GPU
+        pytest.skip(str(error))
+    fn(*recorded, **kwargs)  # records
+    (replay,) = [r for r in interface._EAGER_CALLS._replays.values() if r]
+    assert replay.native is not None and any(template[3] for template in replay.launches)
+    for _ in range(2):
+        got = fn(*other, **kwargs)  # replayed at other addresses
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    interface._EAGER_CALLS.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("change", ["shape", "dtype", "stride", "variant", "alignment", "lse", "backend"])
 def test_a_changed_call_is_not_served_a_stale_replay_gpu(change):

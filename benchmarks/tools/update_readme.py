@@ -68,6 +68,13 @@ def call_cost_table(results: Path) -> str:
               f"or not, {len(prefill)} shapes): eager wall time {min(ratios):.2f}x to {max(ratios):.2f}x of cuDNN's; "
               f"host time {min(hosts):.0f} to {max(hosts):.0f} us per call"
               + (f" (before: {min(old_hosts):.0f} to {max(old_hosts):.0f})." if old_hosts else ".")]
+    short = [(r, by.get(("sdpa_cudnn", key(r)))) for r in rows if r["workload"] == "prefill-short"
+             and r["provider"] == "flashkernel"]
+    if short:
+        cells = [f"seqlen {r['seqlen']}: {r['wall_us']:.1f} / {r['host_us']:.1f} us against cuDNN's "
+                 f"{c['wall_us']:.1f} / {c['host_us']:.1f}" for r, c in short if c]
+        lines += ["", "Short prompts (batch 1, 32 query / 8 KV heads of 128, causal: host-bound), eager wall / host "
+                  "time per call: " + "; ".join(cells) + "."]
     compiled = [r for r in rows if r["workload"] == "compiled" and "step_us" in r]
     if compiled:
         lines += ["", "A 32-layer attention-only decode loop (append + attend per layer, context 1k), time per step:",

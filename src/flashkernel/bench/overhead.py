@@ -22,7 +22,8 @@ Shapes (bf16): decode, 32 query heads, 8 KV heads, head dim 128, one new token, 
 context 1k/4k, contiguous and pages of 16 (cuDNN gets the contiguous cache in its preferred
 ``[B, H, S, D]`` layout); ``--sections append``: the same steps appending the new token's key and
 value (:func:`append_rows`); prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256,
-seqlen 512/1k/2k, causal and not. ``--sections compiled``: a 32-layer attention-only decode loop
+seqlen 512/1k/2k, causal and not; and host-bound short prompts (``prefill-short`` rows: batch 1,
+32 query / 8 KV heads of 128, causal, seqlen 128 and 512). ``--sections compiled``: a 32-layer attention-only decode loop
 (append + attend per layer, B=1 and 8, context 1k) as eager calls, under ``torch.compile`` and
 under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step. ``--sections
 growing``: transformers' dynamic cache, a new ``[B, Hkv, S, D]`` cache one key longer every step
@@ -38,10 +39,16 @@ import argparse
 import contextlib
 import inspect
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    # Run by path, this directory comes first on sys.path, and its profile.py would shadow the
+    # standard library's (torch.compile imports cProfile).
+    del sys.path[0]
 
 import torch
 import triton
@@ -52,6 +59,7 @@ import flashkernel
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DECODE = [(b, c, p) for b in (1, 8, 64) for c in (1024, 4096) for p in (0, 16)]
 PREFILL = [(d, s, causal) for d in (64, 128, 256) for s in (512, 1024, 2048) for causal in (False, True)]
+PREFILL_SHORT = (128, 512)  # seqlens of the host-bound prefill rows (batch 1, causal, decode's heads)
 LOOP_CALLS = 200
 GRAPH_CALLS = 20
 LAYERS = 32
@@ -213,13 +221,30 @@ def prefill_rows(label: str) -> list[dict]:
         providers = {
             "flashkernel": lambda: flashkernel.flash_attn_func(q, k, v, causal=causal),
             "sdpa_cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)}
-        for name, fn in providers.items():
-            context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
-            row = dict(workload="prefill", label=label, provider=name, head_dim=head_dim, seqlen=seqlen, causal=causal,
-                       batch=batch, heads=heads, **measure(fn, context))
-            print(f"prefill d={head_dim:3d} s={seqlen:4d} {'causal' if causal else 'full  '} {name:22s} " + cells(row),
-                  flush=True)
-            rows.append(row)
+        rows += prefill_provider_rows("prefill", label, providers, head_dim=head_dim, seqlen=seqlen, causal=causal,
+                                      batch=batch, heads=heads)
+    for seqlen in PREFILL_SHORT:
+        q = torch.randn(1, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, seqlen, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        providers = {
+            "flashkernel": lambda: flashkernel.flash_attn_func(q, k, v, causal=True),
+            "sdpa_cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                                                   enable_gqa=True)}
+        rows += prefill_provider_rows("prefill-short", label, providers, head_dim=HEAD_DIM, seqlen=seqlen, causal=True,
+                                      batch=1, heads=HEADS)
+    return rows
+
+
+def prefill_provider_rows(workload: str, label: str, providers: dict, **shape) -> list[dict]:
+    """One row of :func:`measure` per provider of a prefill call (SDPA's under its cuDNN backend)."""
+    rows = []
+    for name, fn in providers.items():
+        context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
+        row = dict(workload=workload, label=label, provider=name, **shape, **measure(fn, context))
+        print(f"{workload} b={shape['batch']:2d} d={shape['head_dim']:3d} s={shape['seqlen']:4d} "
+              f"{'causal' if shape['causal'] else 'full  '} {name:22s} " + cells(row), flush=True)
+        rows.append(row)
     return rows
 
 

@@ -23,9 +23,11 @@ its tensors' layouts and its scalar arguments, except for the tensors' addresses
 allocated through :func:`allocate`, is recorded; :meth:`Recorder.finish` turns them into a
 :class:`Replay`: each launch's argument list with the tensors replaced by "the address of input
 ``i``" (or of allocation ``j``: outputs and temporaries such as the split-KV partials).
-``Replay.run(inputs)`` allocates the outputs and calls Triton's compiled C launchers with integer
-addresses, which skips argument binding, specialization and the driver's pointer-attribute query
-of every tensor. A recording that cannot be replayed exactly (an argument that is a view at an
+``Replay.run(inputs)`` allocates the outputs and launches with the new addresses: through the
+small C launcher of ``_native.py`` (every launch's parameters packed once, TMA descriptors
+encoded once; one Python call per run) where it qualifies, else through Triton's compiled C
+launchers with integer addresses. Either skips argument binding, specialization and the driver's
+pointer-attribute query of every tensor. A recording that cannot be replayed exactly (an argument that is a view at an
 offset of an input, a kernel that needs profiling scratch, no launch) gives ``None`` and the
 caller keeps the slow path for that call. Inputs at one address (the same ``cu_seqlens`` for
 queries and keys) are told apart by the order of ``inputs``: the caller's key must include which
@@ -257,10 +259,12 @@ class Replay:
                 slots.append((i, *_identify(value.data_ptr(), self.everything, self.first_at, self.num_inputs)))
                 args[i] = None
             elif hasattr(value, "block_shape") and hasattr(value, "base"):
-                j, offset = _identify(value.base.data_ptr(), self.everything, self.first_at, self.num_inputs)
+                address = value.base.data_ptr()
+                j, offset = _identify(address, self.everything, self.first_at, self.num_inputs)
                 if offset:
                     raise _NotReplayable("a TMA descriptor of a view at an offset")
-                descriptors.append((i, j, list(value.shape), list(value.strides), value.padding))
+                # The recorded address is an integer (no tensor kept): the C launcher encodes with it.
+                descriptors.append((i, j, list(value.shape), list(value.strides), value.padding, address))
                 args[i] = None
         grid = tuple(grid) + (1,) * (3 - len(grid))
         scratch = getattr(runner, "global_scratch_size", 0) * grid[0] * grid[1] * grid[2] * runner.num_ctas
@@ -282,9 +286,8 @@ class Replay:
     @staticmethod
     def _native_launch(compiled, launch):
         (_, grid, *_), template, slots, descriptors, _ = launch
-        if descriptors:
-            return None
-        return _native.launch_for(compiled, grid, template, {i: (j, offset) for i, j, offset in slots})
+        return _native.launch_for(compiled, grid, template, {i: (j, offset) for i, j, offset in slots},
+                                  {i: rest for i, *rest in descriptors})
 
     def with_arguments(self, index: int, values: dict) -> Replay:
         """A replay whose launch ``index`` takes ``values`` (argument index -> value: integers or
@@ -364,7 +367,7 @@ class Replay:
             args = template.copy()
             for i, j, offset in slots:
                 args[i] = addresses[j] + offset
-            for i, j, shape, strides, padding in descriptors:
+            for i, j, shape, strides, padding, _ in descriptors:
                 args[i] = _Descriptor(_Address(addresses[j]), shape, strides, padding)
             scratch_buf = torch.empty(scratch, dtype=torch.uint8, device=inputs[0].device) if scratch else None
             launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, scratch_buf, None, metadata, None,

@@ -8,17 +8,25 @@ buffer, in the kernel's parameter layout (the order and C types of Triton's gene
 the non-constexpr arguments, tuples flattened, floats as their bit patterns, then Triton's two
 scratch pointers), and a run only writes the addresses into their slots and launches.
 
+Host-side TMA descriptors (the Gluon kernels' ``TensorDescriptor`` arguments) are encoded once,
+when the launch is packed, from the recorded descriptor and Triton's compiled metadata (swizzle,
+element type, box), exactly as Triton's launcher encodes them per call; a run only puts the new
+base address into each (``cuTensorMapReplaceAddress``). Shape, strides and box cannot change
+between runs: they are part of the replay's key.
+
 Built on first use with the C compiler and CUDA headers Triton itself uses for its launchers
-(and cached in Triton's cache directory). Only plain launches qualify: no TMA descriptors, one
-CTA per cluster, no cooperative or programmatic-dependent launch, no scratch memory; anything
-else, or a build that fails, keeps Triton's launcher (``_launch.Replay`` checks
-:func:`launch_for` and :func:`module`). ``FLASHKERNEL_NATIVE_LAUNCH=0`` turns it off (read once).
+(and cached in Triton's cache directory). Only plain launches qualify: one CTA per cluster, no
+cooperative or programmatic-dependent launch, no scratch memory, descriptors only where the
+kernel takes them as ``CUtensorMap`` parameters; anything else, or a build that fails, keeps
+Triton's launcher (``_launch.Replay`` checks :func:`launch_for` and :func:`module`).
+``FLASHKERNEL_NATIVE_LAUNCH=0`` turns it off (read once).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import struct
 
 ENABLED = os.environ.get("FLASHKERNEL_NATIVE_LAUNCH", "1") != "0"
@@ -39,23 +47,70 @@ typedef struct {
   Py_ssize_t nslots;
   int *slot_param, *slot_source;
   long long *slot_offset;
+  Py_ssize_t nmaps;         /* TMA descriptors passed by value */
+  CUtensorMap *maps;        /* 64-byte aligned, as the kernel parameter wants */
+  int *map_source;
 } Launch;
+
+static void launch_free_fields(Launch *l) {
+  free(l->storage); free(l->params); free(l->slot_param); free(l->slot_source); free(l->slot_offset);
+  free(l->maps); free(l->map_source); free(l);
+}
 
 static void launch_free(PyObject *capsule) {
   Launch *l = (Launch *)PyCapsule_GetPointer(capsule, "flashkernel.Launch");
-  if (!l) return;
-  free(l->storage); free(l->params); free(l->slot_param); free(l->slot_source); free(l->slot_offset); free(l);
+  if (l) launch_free_fields(l);
 }
 
-/* make(function, gx, gy, gz, block, shared, storage: bytes, slots: tuple of (param, source, offset)) */
+/* Raise RuntimeError("<what> failed: <driver message>"); returns -1. */
+static int cuda_error(CUresult err, const char *what) {
+  const char *msg = NULL;
+  cuGetErrorString(err, &msg);
+  PyErr_Format(PyExc_RuntimeError, "%s failed: %s", what, msg ? msg : "unknown error");
+  return -1;
+}
+
+/* Encode one descriptor from (param, source, address, data type, dims, byte strides, box, swizzle,
+   fill): dims and box innermost first, the rank - 1 strides of the outer dims in bytes. */
+static int encode_map(CUtensorMap *map, PyObject *spec, int *param, int *source) {
+  unsigned long long address;
+  int data_type, swizzle, fill;
+  PyObject *dims, *strides, *box;
+  if (!PyArg_ParseTuple(spec, "iiKiO!O!O!ii", param, source, &address, &data_type, &PyTuple_Type, &dims,
+                        &PyTuple_Type, &strides, &PyTuple_Type, &box, &swizzle, &fill))
+    return -1;
+  Py_ssize_t rank = PyTuple_GET_SIZE(dims);
+  if (rank < 1 || rank > 5 || PyTuple_GET_SIZE(box) != rank || PyTuple_GET_SIZE(strides) != rank - 1) {
+    PyErr_SetString(PyExc_ValueError, "tensor map: dims, strides and box disagree on the rank");
+    return -1;
+  }
+  cuuint64_t dim[5], stride[5];
+  cuuint32_t box_dim[5], element_stride[5] = {1, 1, 1, 1, 1};
+  for (Py_ssize_t i = 0; i < rank; i++) {
+    dim[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dims, i));
+    box_dim[i] = (cuuint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(box, i));
+    if (i + 1 < rank) stride[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(strides, i));
+  }
+  if (PyErr_Occurred()) return -1;
+  CUresult err = cuTensorMapEncodeTiled(map, (CUtensorMapDataType)data_type, (cuuint32_t)rank,
+                                        (void *)(uintptr_t)address, dim, stride, box_dim, element_stride,
+                                        CU_TENSOR_MAP_INTERLEAVE_NONE, (CUtensorMapSwizzle)swizzle,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B, (CUtensorMapFloatOOBfill)fill);
+  if (err != CUDA_SUCCESS) return cuda_error(err, "cuTensorMapEncodeTiled");
+  return 0;
+}
+
+/* make(function, gx, gy, gz, block, shared, storage: bytes, slots: tuple of (param, source, offset),
+        maps: tuple of encode_map specs) */
 static PyObject *make(PyObject *self, PyObject *args) {
   unsigned long long function;
   unsigned int gx, gy, gz, block, shared;
   Py_buffer storage;
-  PyObject *slots;
-  if (!PyArg_ParseTuple(args, "KIIIIIy*O!", &function, &gx, &gy, &gz, &block, &shared, &storage, &PyTuple_Type, &slots))
+  PyObject *slots, *maps;
+  if (!PyArg_ParseTuple(args, "KIIIIIy*O!O!", &function, &gx, &gy, &gz, &block, &shared, &storage,
+                        &PyTuple_Type, &slots, &PyTuple_Type, &maps))
     return NULL;
-  Py_ssize_t nparams = storage.len / 8, nslots = PyTuple_GET_SIZE(slots);
+  Py_ssize_t nparams = storage.len / 8, nslots = PyTuple_GET_SIZE(slots), nmaps = PyTuple_GET_SIZE(maps);
   Launch *l = (Launch *)calloc(1, sizeof(Launch));
   l->function = (CUfunction)(uintptr_t)function;
   l->grid[0] = gx; l->grid[1] = gy; l->grid[2] = gz; l->block = block; l->shared = shared;
@@ -71,11 +126,41 @@ static PyObject *make(PyObject *self, PyObject *args) {
   for (Py_ssize_t i = 0; i < nslots; i++) {
     PyObject *slot = PyTuple_GET_ITEM(slots, i);
     if (!PyArg_ParseTuple(slot, "iiL", &l->slot_param[i], &l->slot_source[i], &l->slot_offset[i])) {
-      free(l->storage); free(l->params); free(l->slot_param); free(l->slot_source); free(l->slot_offset); free(l);
+      launch_free_fields(l);
       return NULL;
     }
   }
+  l->nmaps = nmaps;
+  l->map_source = (int *)malloc(sizeof(int) * (nmaps + 1));
+  if (posix_memalign((void **)&l->maps, 64, sizeof(CUtensorMap) * (nmaps + 1)) != 0) {
+    l->maps = NULL;
+    launch_free_fields(l);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < nmaps; i++) {
+    int param;
+    if (encode_map(&l->maps[i], PyTuple_GET_ITEM(maps, i), &param, &l->map_source[i]) != 0) {
+      launch_free_fields(l);
+      return NULL;
+    }
+    if (param < 0 || param >= nparams) {
+      launch_free_fields(l);
+      PyErr_SetString(PyExc_IndexError, "tensor map parameter out of range");
+      return NULL;
+    }
+    l->params[param] = &l->maps[i];
+  }
   return PyCapsule_New(l, "flashkernel.Launch", launch_free);
+}
+
+/* The address addresses[source] (an int) into *base; -1 with an exception when there is none. */
+static int address_at(PyObject *addresses, int source, unsigned long long *base) {
+  if (source < 0 || source >= PyList_GET_SIZE(addresses)) {
+    PyErr_SetString(PyExc_IndexError, "a launch parameter refers to a missing address");
+    return -1;
+  }
+  *base = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addresses, source));
+  return PyErr_Occurred() ? -1 : 0;
 }
 
 /* run(stream, addresses: list of int or None, launches: tuple of capsules) */
@@ -88,28 +173,28 @@ static PyObject *run(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_RuntimeError, "no current CUDA context");
     return NULL;
   }
-  Py_ssize_t naddr = PyList_GET_SIZE(addresses);
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(launches); k++) {
     Launch *l = (Launch *)PyCapsule_GetPointer(PyTuple_GET_ITEM(launches, k), "flashkernel.Launch");
     if (!l) return NULL;
+    unsigned long long base;
     for (Py_ssize_t i = 0; i < l->nslots; i++) {
-      int source = l->slot_source[i];
-      if (source < 0 || source >= naddr) {
-        PyErr_SetString(PyExc_IndexError, "launch slot refers to a missing address");
-        return NULL;
-      }
-      unsigned long long base = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addresses, source));
-      if (PyErr_Occurred()) return NULL;
+      if (address_at(addresses, l->slot_source[i], &base) != 0) return NULL;
       uint64_t ptr = base + (uint64_t)l->slot_offset[i];
       memcpy(l->storage + 8 * l->slot_param[i], &ptr, 8);
+    }
+    for (Py_ssize_t i = 0; i < l->nmaps; i++) {
+      if (address_at(addresses, l->map_source[i], &base) != 0) return NULL;
+      CUresult err = cuTensorMapReplaceAddress(&l->maps[i], (void *)(uintptr_t)base);
+      if (err != CUDA_SUCCESS) {
+        cuda_error(err, "cuTensorMapReplaceAddress");
+        return NULL;
+      }
     }
     if (l->grid[0] * l->grid[1] * l->grid[2] == 0) continue;
     CUresult err = cuLaunchKernel(l->function, l->grid[0], l->grid[1], l->grid[2], l->block, 1, 1, l->shared,
                                   (CUstream)(uintptr_t)stream, l->params, NULL);
     if (err != CUDA_SUCCESS) {
-      const char *msg = NULL;
-      cuGetErrorString(err, &msg);
-      PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel failed: %s", msg ? msg : "unknown error");
+      cuda_error(err, "cuLaunchKernel");
       return NULL;
     }
   }
@@ -152,62 +237,120 @@ _WORD_CODES = {"i1": "b7x", "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q",
                "fp32": "f4x", "f32": "f4x", "fp64": "d", "fp16": "e6x"}
 
 
+def _descriptor_rank(ty: str) -> int | None:
+    """The rank of a ``tensordesc<dtype[d0, d1, ...], ...>`` signature type, None for other types."""
+    if not ty.startswith("tensordesc"):
+        return None
+    match = re.match(r"tensordesc<[^\[>]*\[([^\]]*)\]", ty)
+    return None if match is None else match.group(1).count(",") + 1
+
+
 @functools.lru_cache(maxsize=1024)
 def _packing(signature: tuple) -> tuple | None:
     """How to pack a launch of ``signature`` (its ``(name, type)`` items): the struct format of
     the parameter buffer and, per parameter, ``(argument, element or -1, kind)`` with kind
-    ``"ptr"``, ``"int"`` or ``"float"``; None if a parameter is not a plain scalar or pointer.
+    ``"ptr"``, ``"int"``, ``"float"``, or for a TMA descriptor argument (Triton's launcher passes
+    it as the ``CUtensorMap``, then its shape as i32 and its strides as i64) ``"map"`` (an
+    8-byte placeholder: the C module points the parameter at the encoded map), ``"shape"`` and
+    ``"stride"`` (``element`` the dimension); None if a parameter is none of these.
     Computed once per signature, so recording a launch packs its parameters in one call."""
     codes, entries = ["<"], []
     for arg, (_, ty) in enumerate(signature):
         if isinstance(ty, tuple) and any(isinstance(t, tuple) for t in ty):
             return None  # nested tuples: not in our kernels
         for element, t in (enumerate(ty) if isinstance(ty, tuple) else [(-1, ty)]):
+            rank = _descriptor_rank(t)
             if t == "constexpr":
                 continue
-            if t.startswith("*"):
+            if rank is not None and element < 0:
+                codes.append("8x" + "i4x" * rank + "q" * rank)
+                entries += [(arg, -1, "map")] + [(arg, d, "shape") for d in range(rank)]
+                entries += [(arg, d, "stride") for d in range(rank)]
+            elif t.startswith("*"):
                 codes.append("Q")
                 entries.append((arg, element, "ptr"))
             elif t in _WORD_CODES:
                 codes.append(_WORD_CODES[t])
                 entries.append((arg, element, "float" if t[0] == "f" else "int"))
             else:
-                return None  # bf16 scalars, TMA descriptors, ...
+                return None  # bf16 scalars, descriptors inside tuples, ...
     codes.append("16x")  # Triton's global and profile scratch pointers (none: checked by the caller)
     return "".join(codes), tuple(entries)
 
 
-def pack(signature: dict, values, pointer_slots: dict) -> tuple[bytes, tuple] | None:
-    """The parameter buffer of one launch and its address slots, or None if a parameter's type
-    is not a plain scalar or pointer.
+def _map_spec(param: int, descriptor, meta) -> tuple | None:
+    """The C module's encoding of one host TMA descriptor (``make``'s map spec), as Triton's
+    launcher encodes it (``make_tensordesc_arg``): dims and box innermost first, the outer dims'
+    strides in bytes, Triton's element type translated to the driver's. None where Triton's
+    metadata is missing or unexpected (then Triton's launcher keeps the launch)."""
+    source, shape, strides, padding, address = descriptor
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+        if meta is None or meta.get("fp4_padded"):
+            return None
+        elem_size, block = int(meta["elem_size"]), [int(b) for b in meta["block_size"]]
+        data_type, swizzle = TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], int(meta["swizzle"])
+    except (ImportError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if len(block) != len(shape) or strides[-1] != 1:
+        return None
+    outer_strides = tuple(elem_size * int(stride) for stride in reversed(strides[:-1]))
+    return (param, source, address, data_type, tuple(int(d) for d in reversed(shape)), outer_strides,
+            tuple(reversed(block)), swizzle, 1 if padding == "nan" else 0)
 
-    ``values``: the launch's arguments in the kernel's order (tensors replaced by None);
-    ``pointer_slots``: argument index -> ``(source, byte offset)`` of the address it takes.
-    Returns ``(bytes, ((parameter index, source, offset), ...))``.
+
+def pack(signature: dict, values, pointer_slots: dict, descriptors=None, descriptor_meta=None):
+    """The parameter buffer of one launch, its address slots and its TMA descriptors, or None if
+    a parameter's type is not a plain scalar, pointer or described descriptor.
+
+    ``values``: the launch's arguments in the kernel's order (tensors and descriptors replaced
+    by None); ``pointer_slots``: argument index -> ``(source, byte offset)`` of the address it
+    takes; ``descriptors``: argument index -> ``(source, shape, strides, padding, address)`` of a
+    host TMA descriptor over the whole of a tensor (``address``: the recorded one, to encode
+    with), and ``descriptor_meta``: Triton's ``tensordesc_meta`` of the compiled kernel (one
+    entry per descriptor argument, in order).
+    Returns ``(bytes, ((parameter index, source, offset), ...), (map spec, ...))``.
     """
     packing = _packing(tuple(signature.items()))
     if packing is None:
         return None
     fmt, entries = packing
-    words = [values[arg] if element < 0 else values[arg][element] for arg, element, _ in entries]
-    slots = []
+    descriptors = descriptors or {}
+    described = [arg for arg, _, kind in entries if kind == "map"]
+    if described and (not descriptor_meta or len(descriptor_meta) != len(described)
+                      or any(arg not in descriptors for arg in described)):
+        return None
+    meta_of = dict(zip(described, descriptor_meta or ()))
+    words, kinds, slots, maps = [], [], [], []
     for param, (arg, element, kind) in enumerate(entries):
+        if kind == "map":  # its "8x" placeholder takes no value
+            spec = _map_spec(param, descriptors[arg], meta_of[arg])
+            if spec is None:
+                return None
+            maps.append(spec)
+            continue
+        if kind in ("shape", "stride"):
+            word = int(descriptors[arg][1 if kind == "shape" else 2][element])
+        else:
+            word = values[arg] if element < 0 else values[arg][element]
         if kind == "ptr":
             if element < 0 and arg in pointer_slots:
                 slots.append((param, *pointer_slots[arg]))
-                words[param] = 0
+                word = 0
             else:
-                words[param] = int(words[param] or 0)
+                word = int(word or 0)
+        words.append(word)
+        kinds.append(kind)
     try:
-        return struct.pack(fmt, *words), tuple(slots)
+        storage = struct.pack(fmt, *words)
     except struct.error:  # a scalar that is not a Python int / float (e.g. a numpy integer)
-        words = [int(w) if kind != "float" else float(w) for w, (_, _, kind) in zip(words, entries)]
-        return struct.pack(fmt, *words), tuple(slots)
+        storage = struct.pack(fmt, *[float(w) if kind == "float" else int(w) for w, kind in zip(words, kinds)])
+    return storage, tuple(slots), tuple(maps)
 
 
-def launch_for(compiled, grid, values, pointer_slots: dict):
+def launch_for(compiled, grid, values, pointer_slots: dict, descriptors=None):
     """A packed launch (a capsule of the C module) for one recorded launch, or None when it does
-    not qualify (see the module docstring)."""
+    not qualify (see the module docstring). ``descriptors`` as in :func:`pack`."""
     native = module()
     if native is None:
         return None
@@ -221,8 +364,9 @@ def launch_for(compiled, grid, values, pointer_slots: dict):
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if not isinstance(signature, dict) or len(signature) != len(values):
         return None
-    packed = pack(signature, values, pointer_slots)
+    meta = getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None)
+    packed = pack(signature, values, pointer_slots, descriptors, meta)
     if packed is None:
         return None
-    storage, slots = packed
-    return native.make(compiled.function, grid[0], grid[1], grid[2], 32 * num_warps, shared, storage, slots)
+    storage, slots, maps = packed
+    return native.make(compiled.function, grid[0], grid[1], grid[2], 32 * num_warps, shared, storage, slots, maps)
