@@ -313,6 +313,11 @@ def test_gluon_kernel_runs_by_default_over_short_paged_items():
     assert not wanted(16, 128, 4097)
     assert not wanted(0, 128, 256) and not wanted(0, 128, 64)
     assert not wanted(16, 64, 64) and not wanted(16, 256, 64)
+    # A step that appends: batch 1 to 16 whose batch x capacity is at least 4096 keys.
+    assert wanted(16, 128, 64, append_batch_tokens=(1, 4096)) and wanted(16, 128, 64, append_batch_tokens=(16, 4096))
+    assert not wanted(16, 128, 64, append_batch_tokens=(1, 4095))
+    assert not wanted(16, 128, 64, append_batch_tokens=(17, 17 * 4096))
+    assert not wanted(16, 128, 4097, append_batch_tokens=(8, 8 * 4096))
     # One wave of work items: B=1 (8 KV heads) 16 splits, B=8 2, B=64 1; each at least a tile.
     gluon = pytest.importorskip("flashkernel.kernels.gluon.decode")
     splits = functools.partial(gluon.num_splits_for, min_split_tokens=tuned.min_split_tokens,
@@ -785,7 +790,7 @@ def decode_backend(request, monkeypatch):
     calls = []
 
     def choose(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad=None,
-               k_scale=None):
+               k_scale=None, appending=False):
         if gluon and dispatch.decode_refusal("gluon", q, k_cache, v_cache, block_table, variant,
                                              cache_leftpad, k_scale) is None:
             calls.append(q.shape)

@@ -742,23 +742,22 @@ def test_a_replay_keeps_no_tensor_of_its_calls_alive_gpu():
     assert all(ref() is None for ref in refs)
 
 
-@pytest.mark.gpu
-def test_paged_decode_takes_gluon_only_under_graph_capture_gpu(monkeypatch):
+def _gluon_decode_calls(monkeypatch, q, k_cache, v_cache) -> list:
+    """A list that gets an entry per call of the Gluon decode kernel (skips without one)."""
     from flashkernel.kernels import dispatch
 
     gluon = dispatch._gluon_decode_module()
-    q, k_cache, v_cache, _, _, seqlens = _cache_inputs(1, 1024, 8, 32, 128, torch.bfloat16, 1, (1000,))
     if gluon is None or dispatch.decode_refusal("gluon", q, k_cache, v_cache, None,
                                                 dispatch.Variant.of(True)) is not None:
         pytest.skip("no Gluon decode kernel on this GPU")
     calls = []
     attend = gluon.attend
     monkeypatch.setattr(gluon, "attend", lambda *a, **kw: (calls.append(1), attend(*a, **kw))[1])
-    pages = k_cache.view(-1, 16, 8, 128), v_cache.view(-1, 16, 8, 128)
-    table = torch.arange(64, dtype=torch.int32, device="cuda").view(1, 64)
-    step = lambda: flashkernel.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, block_table=table)  # noqa: E731
-    eager = step()
-    assert calls == []  # eager: the Triton kernel (cheaper launch)
+    return calls
+
+
+def _replayed_capture(step) -> torch.Tensor:
+    """The output of ``step()`` captured in a CUDA graph (after a warm-up call) and replayed."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -767,4 +766,36 @@ def test_paged_decode_takes_gluon_only_under_graph_capture_gpu(monkeypatch):
             out = step()
     graph.replay()
     torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity, gluon_wanted", [(1024, False), (8192, True)])
+def test_appending_paged_steps_under_capture_take_gluon_only_past_the_append_rule_gpu(monkeypatch, capacity,
+                                                                                       gluon_wanted):
+    """Batch 1 appending under capture: the Triton kernel (its fused append) below 4096 keys of
+    batch x capacity, the Gluon kernel (and its separate append) from there; both equal the
+    eager step."""
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(1, capacity, 8, 32, 128, torch.bfloat16, 1, (capacity - 24,))
+    calls = _gluon_decode_calls(monkeypatch, q, k_cache, v_cache)
+    pages = k_cache.view(-1, 16, 8, 128), v_cache.view(-1, 16, 8, 128)
+    table = torch.arange(capacity // 16, dtype=torch.int32, device="cuda").view(1, -1)
+    step = lambda: flashkernel.flash_attn_with_kvcache(q, *pages, k=k, v=v, cache_seqlens=seqlens,  # noqa: E731
+                                                       block_table=table)
+    eager = step()
+    out = _replayed_capture(step)
+    assert bool(calls) == gluon_wanted
+    assert torch.allclose(out.float(), eager.float(), atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_paged_decode_takes_gluon_only_under_graph_capture_gpu(monkeypatch):
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs(1, 1024, 8, 32, 128, torch.bfloat16, 1, (1000,))
+    calls = _gluon_decode_calls(monkeypatch, q, k_cache, v_cache)
+    pages = k_cache.view(-1, 16, 8, 128), v_cache.view(-1, 16, 8, 128)
+    table = torch.arange(64, dtype=torch.int32, device="cuda").view(1, 64)
+    step = lambda: flashkernel.flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, block_table=table)  # noqa: E731
+    eager = step()
+    assert calls == []  # eager: the Triton kernel
+    out = _replayed_capture(step)
     assert calls and torch.allclose(out.float(), eager.float(), atol=2e-2)

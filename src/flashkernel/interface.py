@@ -501,7 +501,8 @@ def flash_attn_with_kvcache(
         backend: ``"auto"`` (default), ``"triton"`` or ``"gluon"`` (``kernels/dispatch.py``):
             ``"auto"`` takes the Gluon kernel on Hopper for plain attention over paged caches at
             head dim 128 whose splits read at most 4096 keys while a CUDA graph is being captured
-            (its launch costs more host time than the Triton kernel's, which replays do not pay),
+            (with ``k, v``: only at batch <= 16 and batch x capacity >= 4096, since the Triton
+            kernel writes the new tokens itself and the Gluon kernel needs a launch for them),
             else the Triton kernel.
 
     GQA / MQA: ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV

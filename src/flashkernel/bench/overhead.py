@@ -21,9 +21,11 @@ cuDNN backend's eager call, its backend chosen once outside the timed calls):
 Shapes (bf16): decode, 32 query heads, 8 KV heads, head dim 128, one new token, batch 1/8/64 x
 context 1k/4k, contiguous and pages of 16 (cuDNN gets the contiguous cache in its preferred
 ``[B, H, S, D]`` layout); ``--sections append``: the same steps appending the new token's key and
-value (:func:`append_rows`); prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256,
-seqlen 512/1k/2k, causal and not; and host-bound short prompts (``prefill-short`` rows: batch 1,
-32 query / 8 KV heads of 128, causal, seqlen 128 and 512). ``--sections compiled``: a 32-layer attention-only decode loop
+value (:func:`append_rows`); ``--sections append-backends`` (not in the default set): appending
+steps over pages as CUDA-graph replays, per decode backend (:func:`append_backend_rows`);
+prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256, seqlen 512/1k/2k, causal and
+not; and host-bound short prompts (``prefill-short`` rows: batch 1, 32 query / 8 KV heads of
+128, causal, seqlen 128 and 512). ``--sections compiled``: a 32-layer attention-only decode loop
 (append + attend per layer, B=1 and 8, context 1k) as eager calls, under ``torch.compile`` and
 under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step. ``--sections
 growing``: transformers' dynamic cache, a new ``[B, Hkv, S, D]`` cache one key longer every step
@@ -209,6 +211,40 @@ def append_rows(label: str) -> list[dict]:
     return rows
 
 
+APPEND_BACKEND_PAGES, APPEND_BACKEND_BATCHES = (16, 64), (1, 2, 4, 8, 16, 32, 64)
+APPEND_BACKEND_CONTEXTS = (512, 1024, 2048, 4096, 8192)
+
+
+def append_backend_rows(label: str) -> list[dict]:
+    """GPU time (CUDA-graph replays) of an appending decode step over pages, per backend as it
+    runs under capture: ``"triton"`` (the append fused into the decode kernel), ``"gluon"`` (its
+    append a launch of its own) and ``"auto"`` (the rule of ``dispatch.gluon_decode_wanted``);
+    batch x context up to 256k keys. The data behind that rule."""
+    rows = []
+    for page in APPEND_BACKEND_PAGES:
+        for batch in APPEND_BACKEND_BATCHES:
+            for context in APPEND_BACKEND_CONTEXTS:
+                if batch * context > 256 * 1024:
+                    continue
+                q, k_cache, v_cache, seqlens, block_table = decode_inputs(batch, context + page, page)
+                seqlens.fill_(context)
+                k = torch.randn(batch, 1, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                times = {}
+                for backend in ("triton", "gluon", "auto"):
+                    times[backend] = graph_us(lambda: flashkernel.flash_attn_with_kvcache(
+                        q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, block_table=block_table,
+                        backend=backend))
+                    rows.append(dict(workload="append-backends", label=label, provider=backend, batch=batch,
+                                     context=context, page_size=page, gpu_us=times[backend]))
+                print(f"append-backends page={page:2d} b={batch:2d} ctx={context:5d} "
+                      + " ".join(f"{name} {'   -  ' if t is None else f'{t:6.1f}'}" for name, t in times.items()),
+                      flush=True)
+                del q, k_cache, v_cache
+                torch.cuda.empty_cache()
+    return rows
+
+
 # ---- prefill ------------------------------------------------------------------------------------
 
 
@@ -359,13 +395,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--label", default="current", help="name of this build in the results")
     parser.add_argument("--sections", nargs="+", default=["decode", "append", "prefill", "compiled", "growing"],
-                        choices=("decode", "append", "prefill", "compiled", "growing"))
+                        choices=("decode", "append", "append-backends", "prefill", "compiled", "growing"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for section in args.sections:
-        rows += {"decode": decode_rows, "append": append_rows, "prefill": prefill_rows, "compiled": compiled_rows,
-                 "growing": growing_rows}[section](args.label)
+        rows += {"decode": decode_rows, "append": append_rows, "append-backends": append_backend_rows,
+                 "prefill": prefill_rows, "compiled": compiled_rows, "growing": growing_rows}[section](args.label)
     doc = dict(command=" ".join(sys.argv), label=args.label, gpu=torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                flashkernel_path=flashkernel.__file__, time=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows)

@@ -14,10 +14,12 @@ Two families, two backends each:
 ``backend="auto"`` takes the Gluon kernel where it is supported and the policy wants it (prefill:
 always, it was faster at every measured shape; decode: while a CUDA graph is being captured,
 paged caches at the tuned head dims whose work items read at most
-``DecodeTuning.gluon_max_item_tokens`` keys, see ``tuned/decode.json``: its GPU time is lower
-there, but its launch encodes two TMA descriptors on the host, which an eager call pays and a
-graph replay does not; quantized caches too where ``DecodeTuning.gluon_quantized`` says so),
-else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
+``DecodeTuning.gluon_max_item_tokens`` keys, see ``tuned/decode.json``, where its GPU time is
+lower; a step that appends only at small batches that are not tiny (``gluon_decode_wanted``: the
+Triton kernel fuses the append, the Gluon kernel launches it separately); quantized caches too
+where ``DecodeTuning.gluon_quantized`` says so; eager calls keep the Triton kernel, chosen when
+the Gluon kernel's eager launch still encoded its TMA descriptors per call, see docs/perf-notes.md
+"Host TMA descriptors in the C launcher" for the comparison since), else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
 from :func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
 
 The environment is read once, at import (:data:`SETTINGS`): ``FLASHKERNEL_GLUON=0`` keeps
@@ -238,11 +240,20 @@ def decode_refusal(backend: str, q, k_cache, v_cache, block_table, variant: Vari
     return None
 
 
-def gluon_decode_wanted(page_size: int, head_dim: int, tokens_per_item: int, tuned: DecodeTuning) -> bool:
+def gluon_decode_wanted(page_size: int, head_dim: int, tokens_per_item: int, tuned: DecodeTuning,
+                        append_batch_tokens: tuple[int, int] | None = None) -> bool:
     """The "auto" policy for a call the Gluon decode kernel supports, under CUDA-graph capture:
     paged caches at the tuned head dims whose work items (a split of one sequence and KV head)
     read at most ``tuned.gluon_max_item_tokens`` keys. Contiguous caches stay on the Triton
-    kernel (docs/perf-notes.md, "Decode in Gluon")."""
+    kernel (docs/perf-notes.md, "Decode in Gluon"). A step that appends (``append_batch_tokens``
+    = ``(batch, batch x capacity)``) pays the Gluon kernel a launch of its own for the append,
+    which the Triton kernel fuses: it takes the Gluon kernel only at batch <=
+    ``tuned.gluon_append_max_batch`` and batch x capacity >= ``tuned.gluon_append_min_batch_tokens``
+    (docs/perf-notes.md, "Appending steps under capture")."""
+    if append_batch_tokens is not None:
+        batch, batch_tokens = append_batch_tokens
+        if batch > tuned.gluon_append_max_batch or batch_tokens < tuned.gluon_append_min_batch_tokens:
+            return False
     return (page_size > 0 and head_dim in tuned.gluon_head_dims
             and tokens_per_item <= tuned.gluon_max_item_tokens)
 
@@ -257,21 +268,23 @@ def gluon_decode_splits(q, k_cache, geometry, tuned: DecodeTuning) -> int:
 
 
 def decode_backend(backend: str, q, k_cache, v_cache, block_table, variant: Variant, num_splits: int,
-                   tuned: DecodeTuning, cache_leftpad=None, k_scale=None) -> str:
-    """The backend that runs this decode call (see the module docstring)."""
+                   tuned: DecodeTuning, cache_leftpad=None, k_scale=None, appending: bool = False) -> str:
+    """The backend that runs this decode call (see the module docstring); ``appending``: the call
+    writes new keys and values first."""
     if backend == "auto":
         if (not SETTINGS.gluon or not variant.is_plain or cache_leftpad is not None or interpreted()
                 or (k_scale is not None and not tuned.gluon_quantized)):
             return "triton"  # the cheap tests first: most calls stop here
         if not torch.cuda.is_current_stream_capturing():
-            return "triton"  # an eager call: the Triton kernel's launch costs less host time
+            return "triton"  # an eager call (see the module docstring)
         geometry = triton_decode.CacheGeometry.of(k_cache, block_table)
-        if not gluon_decode_wanted(geometry.page_size, q.shape[-1], 0, tuned):
+        append = (q.shape[0], q.shape[0] * geometry.capacity) if appending else None
+        if not gluon_decode_wanted(geometry.page_size, q.shape[-1], 0, tuned, append):
             return "triton"
         if decode_refusal("gluon", q, k_cache, v_cache, block_table, variant, cache_leftpad, k_scale) is not None:
             return "triton"
         splits = num_splits or gluon_decode_splits(q, k_cache, geometry, tuned)
-        wanted = gluon_decode_wanted(geometry.page_size, q.shape[-1], cdiv(geometry.capacity, splits), tuned)
+        wanted = gluon_decode_wanted(geometry.page_size, q.shape[-1], cdiv(geometry.capacity, splits), tuned, append)
         return "gluon" if wanted else "triton"
     _refuse(backend, decode_refusal(backend, q, k_cache, v_cache, block_table, variant, cache_leftpad, k_scale))
     return backend
@@ -288,7 +301,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=N
         tuned = tuning.decode_tuning(q.device if q.device.type == "cuda" and not interpreted() else None)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
     chosen = decode_backend(backend, q, k_cache, v_cache, block_table, variant, num_splits, tuned, cache_leftpad,
-                            k_scale)
+                            k_scale, appending=k_new is not None)
     appended = q.shape[1] if k_new is not None else 0
     if chosen == "gluon":
         if k_new is not None:

@@ -251,8 +251,9 @@ class DecodeTuning:
     ``quantized_multi_wave_resident_programs_per_sm`` programs per SM whose programs read more
     than ``multi_wave_max_tokens`` keys use ``quantized_multi_wave_config``. Gluon:
     the default for paged caches at ``gluon_head_dims`` whose work items read at most
-    ``gluon_max_item_tokens`` keys, with ``gluon_configs`` (``head dim -> (block_n, stages)``),
-    over quantized caches too when ``gluon_quantized``.
+    ``gluon_max_item_tokens`` keys (a step that appends: only at batch <= ``gluon_append_max_batch``
+    and batch x capacity >= ``gluon_append_min_batch_tokens``), with ``gluon_configs`` (``head dim
+    -> (block_n, stages)``), over quantized caches too when ``gluon_quantized``.
     """
 
     contiguous: dict
@@ -274,6 +275,8 @@ class DecodeTuning:
     max_auto_splits: int
     gluon_head_dims: tuple
     gluon_max_item_tokens: int
+    gluon_append_max_batch: int
+    gluon_append_min_batch_tokens: int
     gluon_configs: dict
     gluon_quantized: bool
 
@@ -316,6 +319,8 @@ class DecodeTuning:
             multi_wave_config=DecodeConfig(*rules["multi_wave_config"]),
             max_auto_splits=rules["max_auto_splits"],
             gluon_head_dims=tuple(gluon_part["head_dims"]), gluon_max_item_tokens=gluon_part["max_item_tokens"],
+            gluon_append_max_batch=gluon_part["append_max_batch"],
+            gluon_append_min_batch_tokens=gluon_part["append_min_batch_tokens"],
             gluon_configs={int(d): tuple(v) for d, v in gluon_part["configs"].items()},
             gluon_quantized=gluon_part["quantized"],
         )
