@@ -249,10 +249,11 @@ def test_native_launch_packs_tma_descriptors_as_tritons_launcher():
 
     from flashkernel.kernels import _native
 
-    signature = {"X": "*fp32", "D": "tensordesc<bf16[1, 64, 1, 128], NVMMASharedLayout>", "n": "i32",
+    # bf16 (Triton's device-side element type 10), a 64-wide box under the 128-byte swizzle (3)
+    signature = {"X": "*fp32", "D": "tensordesc<bf16[1, 64, 1, 64], NVMMASharedLayout>", "n": "i32",
                  "BLOCK": "constexpr"}
     shape, strides = [2, 300, 8, 128], [300 * 8 * 128, 8 * 128, 128, 1]
-    meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 64, 1, 128], "fp4_padded": False}]
+    meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 64, 1, 64], "fp4_padded": False}]
     descriptor = (4, shape, strides, "zero", 0x7F0000000000)
     storage, slots, maps = _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {1: descriptor}, meta)
     words = [storage[i:i + 8] for i in range(0, len(storage), 8)]
@@ -262,9 +263,15 @@ def test_native_launch_packs_tma_descriptors_as_tritons_launcher():
     assert [struct.unpack("<i", w[:4])[0] for w in words[2:6]] == shape
     assert [struct.unpack("<q", w)[0] for w in words[6:10]] == strides
     assert struct.unpack("<i", words[10][:4])[0] == 5
-    assert maps == ((1, 4, 0x7F0000000000, TMA_DTYPE_DEVICE_TO_HOST[9], (128, 8, 300, 2),
-                     (2 * 128, 2 * 8 * 128, 2 * 300 * 8 * 128), (128, 1, 64, 1), 3, 0),)
-    assert _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {1: descriptor}, None) is None
-    assert _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {}, meta) is None
+    assert maps == ((1, 4, 0x7F0000000000, TMA_DTYPE_DEVICE_TO_HOST[10], (128, 8, 300, 2),
+                     (2 * 128, 2 * 8 * 128, 2 * 300 * 8 * 128), (64, 1, 64, 1), 3, 0),)
+    args = (None, None, 5, 64), {0: (0, 0)}
+    assert _native.pack(signature, *args, {1: descriptor}, None) is None  # no metadata
+    assert _native.pack(signature, *args, {}, meta) is None  # a descriptor not recorded
+    assert _native.pack(signature, *args, {1: descriptor}, meta * 2) is None  # metadata of another kernel
+    assert _native.pack(signature, *args, {1: descriptor}, [dict(meta[0], fp4_padded=True)]) is None
+    in_tuple = {"X": "*fp32", "D": ("tensordesc<bf16[1, 64, 1, 64], NVMMASharedLayout>", "i32"), "n": "i32",
+                "BLOCK": "constexpr"}
+    assert _native.pack(in_tuple, (None, (None, 1), 5, 64), {0: (0, 0)}, {1: descriptor}, meta) is None
     nan = (4, shape, strides, "nan", 0x7F0000000000)
-    assert _native.pack(signature, (None, None, 5, 64), {0: (0, 0)}, {1: nan}, meta)[2][0][-1] == 1
+    assert _native.pack(signature, *args, {1: nan}, meta)[2][0][-1] == 1

@@ -310,6 +310,7 @@ def test_replays_with_tma_descriptors_go_through_the_c_launcher_bit_identical_gp
         got = fn(*other, **kwargs)  # replayed at other addresses
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+    assert [r for r in interface._EAGER_CALLS._replays.values() if r] == [replay]  # served, not recorded again
     interface._EAGER_CALLS.clear()
 
 

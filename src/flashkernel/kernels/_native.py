@@ -48,7 +48,7 @@ typedef struct {
   int *slot_param, *slot_source;
   long long *slot_offset;
   Py_ssize_t nmaps;         /* TMA descriptors passed by value */
-  CUtensorMap *maps;        /* 64-byte aligned, as the kernel parameter wants */
+  CUtensorMap *maps;        /* 64-byte aligned, as cuTensorMapEncodeTiled wants */
   int *map_source;
 } Launch;
 
@@ -90,8 +90,8 @@ static int encode_map(CUtensorMap *map, PyObject *spec, int *param, int *source)
     dim[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dims, i));
     box_dim[i] = (cuuint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(box, i));
     if (i + 1 < rank) stride[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(strides, i));
+    if (PyErr_Occurred()) return -1;
   }
-  if (PyErr_Occurred()) return -1;
   CUresult err = cuTensorMapEncodeTiled(map, (CUtensorMapDataType)data_type, (cuuint32_t)rank,
                                         (void *)(uintptr_t)address, dim, stride, box_dim, element_stride,
                                         CU_TENSOR_MAP_INTERLEAVE_NONE, (CUtensorMapSwizzle)swizzle,
@@ -112,17 +112,26 @@ static PyObject *make(PyObject *self, PyObject *args) {
     return NULL;
   Py_ssize_t nparams = storage.len / 8, nslots = PyTuple_GET_SIZE(slots), nmaps = PyTuple_GET_SIZE(maps);
   Launch *l = (Launch *)calloc(1, sizeof(Launch));
+  if (!l) {
+    PyBuffer_Release(&storage);
+    return PyErr_NoMemory();
+  }
   l->function = (CUfunction)(uintptr_t)function;
   l->grid[0] = gx; l->grid[1] = gy; l->grid[2] = gz; l->block = block; l->shared = shared;
   l->storage = (char *)malloc(storage.len > 0 ? storage.len : 8);
-  memcpy(l->storage, storage.buf, storage.len);
+  if (l->storage) memcpy(l->storage, storage.buf, storage.len);
   PyBuffer_Release(&storage);
   l->params = (void **)malloc(sizeof(void *) * (nparams > 0 ? nparams : 1));
-  for (Py_ssize_t i = 0; i < nparams; i++) l->params[i] = l->storage + 8 * i;
   l->nslots = nslots;
   l->slot_param = (int *)malloc(sizeof(int) * (nslots + 1));
   l->slot_source = (int *)malloc(sizeof(int) * (nslots + 1));
   l->slot_offset = (long long *)malloc(sizeof(long long) * (nslots + 1));
+  l->map_source = (int *)malloc(sizeof(int) * (nmaps + 1));
+  if (!l->storage || !l->params || !l->slot_param || !l->slot_source || !l->slot_offset || !l->map_source) {
+    launch_free_fields(l);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < nparams; i++) l->params[i] = l->storage + 8 * i;
   for (Py_ssize_t i = 0; i < nslots; i++) {
     PyObject *slot = PyTuple_GET_ITEM(slots, i);
     if (!PyArg_ParseTuple(slot, "iiL", &l->slot_param[i], &l->slot_source[i], &l->slot_offset[i])) {
@@ -131,7 +140,6 @@ static PyObject *make(PyObject *self, PyObject *args) {
     }
   }
   l->nmaps = nmaps;
-  l->map_source = (int *)malloc(sizeof(int) * (nmaps + 1));
   if (posix_memalign((void **)&l->maps, 64, sizeof(CUtensorMap) * (nmaps + 1)) != 0) {
     l->maps = NULL;
     launch_free_fields(l);
@@ -150,7 +158,9 @@ static PyObject *make(PyObject *self, PyObject *args) {
     }
     l->params[param] = &l->maps[i];
   }
-  return PyCapsule_New(l, "flashkernel.Launch", launch_free);
+  PyObject *capsule = PyCapsule_New(l, "flashkernel.Launch", launch_free);
+  if (!capsule) launch_free_fields(l);
+  return capsule;
 }
 
 /* The address addresses[source] (an int) into *base; -1 with an exception when there is none. */
@@ -369,4 +379,8 @@ def launch_for(compiled, grid, values, pointer_slots: dict, descriptors=None):
     if packed is None:
         return None
     storage, slots, maps = packed
-    return native.make(compiled.function, grid[0], grid[1], grid[2], 32 * num_warps, shared, storage, slots, maps)
+    try:
+        return native.make(compiled.function, grid[0], grid[1], grid[2], 32 * num_warps, shared, storage, slots,
+                           maps)
+    except (RuntimeError, ValueError, IndexError, OverflowError, MemoryError):
+        return None  # e.g. the driver refused to encode a descriptor: Triton's launcher keeps the launch
