@@ -480,16 +480,20 @@ def test_a_call_cache_family_serves_other_keys_through_rebind(monkeypatch):
     replay, _ = _fake_replay(monkeypatch, lambda a, b, out, scratch: (a, 7, b, out))
     cache = _launch.CallCache()
     inputs = (torch.empty(8), torch.empty(8))
-    assert cache.rebound("k2", "family", inputs, lambda r: r) is None  # no family replay yet
+    family = ("base", "detail")
+    assert cache.rebound("k2", family, inputs, lambda r: r) is None  # no family replay yet
+    assert not cache.has_family("base") and not cache.has_family(["unhashable"])
     monkeypatch.setattr(_launch, "Recorder", lambda inputs: _Returning(replay))
-    cache.run("k1", inputs, lambda: (None,), family="family")
+    cache.run("k1", inputs, lambda: (None,), family=family)
+    assert cache.has_family("base") and not cache.has_family("detail")
+    assert cache.rebound("k2", ("base", "other detail"), inputs, lambda r: r) is None
     seen = []
-    out, _ = cache.rebound("k2", "family", inputs, lambda r: seen.append(r) or r.with_arguments(0, {1: 8}))
+    out, _ = cache.rebound("k2", family, inputs, lambda r: seen.append(r) or r.with_arguments(0, {1: 8}))
     assert seen == [replay] and out.shape == (4,)
     assert cache.get("k2").launches[0][1][1] == 8 and cache.get("k1") is replay
-    assert cache.rebound("k3", "family", inputs, lambda r: None) is None and cache.get("k3") is None
+    assert cache.rebound("k3", family, inputs, lambda r: None) is None and cache.get("k3") is None
     cache.clear()
-    assert cache.rebound("k2", "family", inputs, lambda r: r) is None
+    assert cache.rebound("k2", family, inputs, lambda r: r) is None and not cache.has_family("base")
 
 
 class _Returning:
@@ -611,6 +615,38 @@ def test_a_growing_contiguous_cache_is_served_by_rebound_replays_bit_identical_g
                 assert torch.equal(g, w), (length, variant)
     served = sum(r is not None for r in rebound)
     assert served >= len(lengths) * 3 // 4, (served, len(lengths))
+
+
+@pytest.mark.gpu
+def test_a_length_family_call_still_gets_the_errors_its_lengths_and_strides_cause_gpu(monkeypatch):
+    """Once a call over a contiguous cache is recorded, calls differing from it only in the
+    caches' lengths and strides skip the full validation (counted) but not the checks that read
+    those: caches of two lengths and a strided head dim are errors before any launch, and the
+    next valid length is served and equals the full path."""
+    interface._EAGER_CALLS.clear()
+    validated = []
+    original = interface._validate_kvcache
+    monkeypatch.setattr(interface, "_validate_kvcache", lambda *a, **k: validated.append(1) or original(*a, **k))
+    batch, heads, kv_heads, head_dim = 2, 8, 2, 64
+
+    def cache(length, step=1):
+        full = torch.randn(batch, kv_heads, length, head_dim * step, dtype=torch.float16, device="cuda")
+        return full[..., ::step].transpose(1, 2)
+
+    q = torch.randn(batch, 1, heads, head_dim, dtype=torch.float16, device="cuda")
+    seqlens = torch.tensor([90, 97], dtype=torch.int32, device="cuda")
+    for length in (100, 101):  # recorded, then served by its family
+        flashkernel.flash_attn_with_kvcache(q, cache(length), cache(length), cache_seqlens=seqlens)
+    validations = len(validated)  # 1 when the second length plans the same launch
+    with pytest.raises(ValueError, match="same shape"):
+        flashkernel.flash_attn_with_kvcache(q, cache(102), cache(103), cache_seqlens=seqlens)
+    with pytest.raises(ValueError, match="stride 2 in its last"):
+        flashkernel.flash_attn_with_kvcache(q, cache(104, step=2), cache(104, step=2), cache_seqlens=seqlens)
+    assert len(validated) == validations  # the errors came from the family's own checks
+    k_cache, v_cache = cache(105), cache(105)
+    got = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    want = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, validate=True)
+    assert torch.equal(got, want)
 
 
 # ---- plans ------------------------------------------------------------------------------------

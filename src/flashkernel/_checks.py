@@ -200,17 +200,27 @@ def check_block_table(block_table, batch: int) -> None:
         raise ValueError(f"block_table has {block_table.shape[0]} rows but q has batch {batch}")
 
 
+def check_cache_extent(k_cache, v_cache) -> None:
+    """The checks of two rank-4 caches that read their lengths or strides: equal shapes, a
+    contiguous last dimension. ``flash_attn_with_kvcache`` runs only these for a call that
+    differs from a validated one in nothing but the caches' lengths and strides (its length
+    families): a new check that reads them belongs here."""
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache has shape {tuple(k_cache.shape)} and v_cache has shape "
+            f"{tuple(v_cache.shape)}: they must have the same shape"
+        )
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, x)
+
+
 def check_kv_cache_pair(q, k_cache, v_cache, block_table) -> None:
     """``k_cache, v_cache``: ``[B, S_max, Hkv, D]``, or ``[num_blocks, page_size, Hkv, D]`` when paged."""
     layout = "[num_blocks, page_size, kv_heads, head_dim]" if block_table is not None else (
         "[batch, max_seqlen, kv_heads, head_dim]")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_rank(name, x, 4, layout)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache has shape {tuple(k_cache.shape)} and v_cache has shape "
-            f"{tuple(v_cache.shape)}: they must have the same shape"
-        )
+    check_cache_extent(k_cache, v_cache)
     if k_cache.shape[3] != q.shape[3]:
         raise ValueError(
             f"k_cache has head_dim {k_cache.shape[3]} but q has head_dim {q.shape[3]}: "
@@ -402,7 +412,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     check_kv_scales(k_scale, v_scale, k_cache, quantized)
     check_device("q", q, interpreted)
     check_head_dim("q", q.shape[3])
-    for name, x in floats + caches:
+    for name, x in floats:  # the caches': check_cache_extent
         check_last_dim_contiguous(name, x)
 
 

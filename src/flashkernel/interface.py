@@ -541,6 +541,9 @@ def flash_attn_with_kvcache(
         key = _key("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend,
                                torch.cuda.is_current_stream_capturing()), window_size, tensors)
         results = _replay(key, tensors)
+        if results is None:
+            results = _rebound_length(key, tensors, causal, softmax_scale, window_size, softcap, num_splits,
+                                      return_lse, backend)
         if results is not None:
             return results if return_lse else results[0]
     scale = _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
@@ -552,14 +555,7 @@ def flash_attn_with_kvcache(
         out, lse = _empty_results(q, return_lse, sinks)
         return (out, lse) if return_lse else out
     scalars = (causal, scale, window[0], window[1], cap, num_splits, return_lse, backend)
-    family = None
-    if key is not None:
-        family = _length_family(key, tensors, scalars)
-        if family is not None:
-            results = _EAGER_CALLS.rebound(key, family[0], tensors,
-                                           lambda replay: decode.rebind_lengths(replay, family[1]))
-            if results is not None:
-                return results if return_lse else results[0]
+    family = None if key is None else _length_family(_family_base(key), tensors, scalars)
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks),
              ("k_scale", k_scale), ("v_scale", v_scale))
     out, lse = _run("kvcache_fwd", "flash_attn_with_kvcache", key, tensors, named,
@@ -568,12 +564,49 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_lse else out
 
 
-def _length_family(key, tensors, scalars):
-    """``(family key, length arguments)`` of a validated eager cache call whose launches a
+def _family_base(key):
+    """A cache call's key without the caches' lengths and strides (what calls over contiguous
+    caches of other lengths share), or None for a key that has no caches' layouts."""
+    name, key_scalars, types, window, tensor_layouts = key
+    if tensor_layouts[1] is None or tensor_layouts[2] is None:
+        return None
+    caches = tuple((shape[0], shape[2:], *rest) for shape, _, *rest in tensor_layouts[1:3])
+    return name, key_scalars, types, window, tensor_layouts[:1] + caches + tensor_layouts[3:]
+
+
+def _rebound_length(key, tensors, causal, softmax_scale, window_size, softcap, num_splits, return_lse, backend):
+    """The outputs of an eager cache call that no call of its own key recorded, served by a
+    recorded call of its length family (``CallCache.rebound``); None when there is none (then
+    the caller validates and takes the full path, which files the call under its family).
+
+    A family exists only for a base key (:func:`_family_base`) that a fully validated call had,
+    and validation depends on nothing else but the caches' lengths and strides; the checks that
+    read those (``_checks.check_cache_extent``) run here, and an empty cache takes the full path."""
+    base = _family_base(key)
+    if base is None or not _EAGER_CALLS.has_family(base):
+        return None
+    q, k_cache, v_cache, *_, alibi_slopes, sinks, _, _ = tensors
+    _checks.check_cache_extent(k_cache, v_cache)
+    if k_cache.shape[1] == 0:
+        return None
+    batch, _, num_heads, head_dim = q.shape
+    window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
+    scalars = (causal, _checks.resolve_softmax_scale(softmax_scale, head_dim), window[0], window[1], cap, num_splits,
+               return_lse, backend)
+    family = _length_family(base, tensors, scalars)
+    if family is None:
+        return None
+    return _EAGER_CALLS.rebound(key, family[0], tensors, lambda replay: decode.rebind_lengths(replay, family[1]))
+
+
+def _length_family(base, tensors, scalars):
+    """``((base, detail), length arguments)`` of a validated eager cache call whose launches a
     recorded call over another length of contiguous cache can make (``dispatch.
-    decode_length_family``), or None. The family key is the call's key without the caches'
-    lengths and strides, plus the decode launch it plans and how Triton specializes its length
-    arguments: calls of one family differ in nothing else that reaches a launch."""
+    decode_length_family``), or None. ``base`` is the call's :func:`_family_base`; ``detail`` the
+    decode launch it plans and how Triton specializes its length arguments: calls of one family
+    differ in nothing else that reaches a launch."""
+    if base is None:
+        return None
     q, k_cache, v_cache, k, _, _, block_table, _, alibi_slopes, sinks, k_scale, _ = tensors
     causal, _, window_left, window_right, cap, num_splits, _, backend = scalars
     found = dispatch.decode_length_family(q, k_cache, v_cache, k, block_table, k_scale, causal=causal,
@@ -583,12 +616,8 @@ def _length_family(key, tensors, scalars):
     if found is None:
         return None
     launch, lengths = found
-    name, key_scalars, types, window, tensor_layouts = key
-    caches = tuple((shape[0], shape[2:], *rest) for shape, _, *rest in tensor_layouts[1:3])
     # The window bounds are not specialized on (the decode kernel's do_not_specialize).
-    family = (name, key_scalars, types, window, tensor_layouts[:1] + caches + tensor_layouts[3:], launch,
-              runtime_key(lengths[:3]))
-    return family, lengths
+    return (base, (launch, runtime_key(lengths[:3]))), lengths
 
 
 AMAX_CHUNK_ELEMENTS = 2**26  # |x| is taken a chunk at a time: no cache-sized temporary

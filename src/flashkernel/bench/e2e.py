@@ -501,6 +501,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", choices=MODELS)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS)
     parser.add_argument("--layers", type=int, help="decoder layers per model (4)")
+    parser.add_argument("--rounds", type=int, help="eager generate: alternating rounds of every provider (5)")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows of --out's e2e.json that this run does not measure (a run split by "
                              "--models or --sections)")
@@ -520,6 +521,8 @@ def main(argv=None) -> int:
     overrides = {k: tuple(v) for k, v in (("models", args.models), ("sections", args.sections)) if v}
     if args.layers:
         overrides["layers"] = args.layers
+    if args.rounds:
+        overrides["generate_rounds"] = args.rounds
     plan = dataclasses.replace(plan, **overrides)
     command = ["bench", "e2e", *(sys.argv[1:] if argv is None else argv)]
     earlier = previous_rows(Path(args.out)) if args.out and args.append else []

@@ -243,7 +243,8 @@ class Replay:
         self._compiled = tuple(launch[0] for launch in rec.launches)
         self.launches = tuple(self._launch_template(c, g, v, d) for c, g, v, d, _ in rec.launches)
         del self.everything, self.first_at  # the call's tensors: needed only to read the addresses
-        self.native = self._native_launches()
+        self._packed = self._native_launches()
+        self.native = None if self._packed is None else tuple(p.capsule for p in self._packed)
 
     def _launch_template(self, compiled, grid, values, device):
         if device != self.device:
@@ -305,8 +306,13 @@ class Replay:
         clone = copy.copy(self)  # shares _scratch_by_stream and its lock: the allocations are the same
         clone.launches = self.launches[:index] + (launch,) + self.launches[index + 1:]
         if self.native is not None:
-            native = self._native_launch(self._compiled[index], launch)
-            clone.native = None if native is None else self.native[:index] + (native,) + self.native[index + 1:]
+            # The other parameters are those packed: only the new values are written.
+            packed = _native.with_values(self._packed[index], values)
+            if packed is None:
+                clone._packed = clone.native = None
+            else:
+                clone._packed = self._packed[:index] + (packed,) + self._packed[index + 1:]
+                clone.native = tuple(p.capsule for p in clone._packed)
         return clone
 
     def run(self, inputs, reuse_scratch: bool = False, outputs=None):
@@ -410,12 +416,13 @@ class CallCache:
     """Replays of recorded calls, by key (the caller's: its name, the :func:`layout` of each
     tensor and every scalar argument). Bounded: cleared when it grows past ``max_entries``.
 
-    Families: a caller may also file a replay under a family key, shared by calls that differ
-    only in arguments it knows how to rebind (a decode call over a contiguous cache one token
-    longer: the caches' strides, the capacity, the window bounds). A call whose own key has no
-    replay yet is then served by :meth:`rebound`: the family's replay with those arguments
-    replaced, filed under the call's key, with no dispatch or recording of its own launches (the
-    caller still validates it).
+    Families: a caller may also file a replay under a family ``(base, detail)``, shared by calls
+    that differ only in arguments it knows how to rebind (a decode call over a contiguous cache
+    one token longer: the caches' strides, the capacity, the window bounds). A call whose own key
+    has no replay yet is then served by :meth:`rebound`: the family's replay with those arguments
+    replaced, filed under the call's key, with no dispatch or recording of its own launches.
+    :meth:`has_family` tells the caller whether any call of a ``base`` was filed (what its
+    checks of a new call may rely on).
     """
 
     def __init__(self, max_entries: int = 1024):
@@ -449,18 +456,27 @@ class CallCache:
         if replay is not None or rec.refusal not in (None, "spoiled"):
             self._file(key, replay or False)
             if replay is not None and family is not None:
-                self._families[family] = replay
+                base, detail = family
+                self._families.setdefault(base, {})[detail] = replay
         return outputs
+
+    def has_family(self, base) -> bool:
+        """Whether a replay was filed under a family of ``base``."""
+        try:
+            return base in self._families
+        except TypeError:  # an unhashable key: never filed
+            return False
 
     def rebound(self, key, family, inputs, rebind):
         """The outputs of the replay of ``family`` rebound to this call by ``rebind(replay) ->
         Replay | None`` and run on ``inputs``; None when the family has no replay or ``rebind``
         declines (then the caller takes the full path, :meth:`run` with ``family``)."""
+        base, detail = family
         try:
-            base = self._families.get(family)
+            recorded = self._families.get(base, {}).get(detail)
         except TypeError:  # an unhashable key: never filed
             return None
-        replay = None if base is None else rebind(base)
+        replay = None if recorded is None else rebind(recorded)
         if replay is None:
             return None
         self._file(key, replay)

@@ -28,6 +28,7 @@ import functools
 import os
 import re
 import struct
+from typing import NamedTuple
 
 ENABLED = os.environ.get("FLASHKERNEL_NATIVE_LAUNCH", "1") != "0"
 
@@ -258,19 +259,22 @@ def _descriptor_rank(ty: str) -> int | None:
 @functools.lru_cache(maxsize=1024)
 def _packing(signature: tuple) -> tuple | None:
     """How to pack a launch of ``signature`` (its ``(name, type)`` items): the struct format of
-    the parameter buffer and, per parameter, ``(argument, element or -1, kind)`` with kind
+    the parameter buffer; per parameter, ``(argument, element or -1, kind)`` with kind
     ``"ptr"``, ``"int"``, ``"float"``, or for a TMA descriptor argument (Triton's launcher passes
     it as the ``CUtensorMap``, then its shape as i32 and its strides as i64) ``"map"`` (an
     8-byte placeholder: the C module points the parameter at the encoded map), ``"shape"`` and
-    ``"stride"`` (``element`` the dimension); None if a parameter is none of these.
-    Computed once per signature, so recording a launch packs its parameters in one call."""
-    codes, entries = ["<"], []
+    ``"stride"`` (``element`` the dimension); and ``scalars``: ``(argument, element) ->
+    (parameter, struct code)`` of each scalar, None for a constexpr (not passed). None if a
+    parameter is none of these. Computed once per signature, so recording a launch packs its
+    parameters in one call."""
+    codes, entries, scalars = ["<"], [], {}
     for arg, (_, ty) in enumerate(signature):
         if isinstance(ty, tuple) and any(isinstance(t, tuple) for t in ty):
             return None  # nested tuples: not in our kernels
         for element, t in (enumerate(ty) if isinstance(ty, tuple) else [(-1, ty)]):
             rank = _descriptor_rank(t)
             if t == "constexpr":
+                scalars[arg, element] = None
                 continue
             if rank is not None and element < 0:
                 codes.append("8x" + "i4x" * rank + "q" * rank)
@@ -280,12 +284,13 @@ def _packing(signature: tuple) -> tuple | None:
                 codes.append("Q")
                 entries.append((arg, element, "ptr"))
             elif t in _WORD_CODES:
+                scalars[arg, element] = (len(entries), "<" + _WORD_CODES[t])
                 codes.append(_WORD_CODES[t])
                 entries.append((arg, element, "float" if t[0] == "f" else "int"))
             else:
                 return None  # bf16 scalars, descriptors inside tuples, ...
     codes.append("16x")  # Triton's global and profile scratch pointers (none: checked by the caller)
-    return "".join(codes), tuple(entries)
+    return "".join(codes), tuple(entries), scalars
 
 
 def _map_spec(param: int, descriptor, meta) -> tuple | None:
@@ -324,7 +329,7 @@ def pack(signature: dict, values, pointer_slots: dict, descriptors=None, descrip
     packing = _packing(tuple(signature.items()))
     if packing is None:
         return None
-    fmt, entries = packing
+    fmt, entries, _ = packing
     descriptors = descriptors or {}
     described = [arg for arg, _, kind in entries if kind == "map"]
     if described and (not descriptor_meta or len(descriptor_meta) != len(described)
@@ -358,9 +363,21 @@ def pack(signature: dict, values, pointer_slots: dict, descriptors=None, descrip
     return storage, tuple(slots), tuple(maps)
 
 
-def launch_for(compiled, grid, values, pointer_slots: dict, descriptors=None):
-    """A packed launch (a capsule of the C module) for one recorded launch, or None when it does
-    not qualify (see the module docstring). ``descriptors`` as in :func:`pack`."""
+class Packed(NamedTuple):
+    """One launch packed for the C module: ``capsule`` is what its ``run`` takes; the rest is
+    what :func:`with_values` needs to pack it again with other scalar arguments."""
+
+    capsule: object
+    make_args: tuple  # function, grid x, y, z, threads per CTA, shared memory
+    storage: bytes
+    slots: tuple
+    maps: tuple
+    scalars: dict  # _packing's (argument, element) -> (parameter, struct code) or None
+
+
+def launch_for(compiled, grid, values, pointer_slots: dict, descriptors=None) -> Packed | None:
+    """The packed launch for one recorded launch, or None when it does not qualify (see the
+    module docstring). ``descriptors`` as in :func:`pack`."""
     native = module()
     if native is None:
         return None
@@ -379,8 +396,35 @@ def launch_for(compiled, grid, values, pointer_slots: dict, descriptors=None):
     if packed is None:
         return None
     storage, slots, maps = packed
+    make_args = (compiled.function, grid[0], grid[1], grid[2], 32 * num_warps, shared)
+    capsule = _make(native, make_args, storage, slots, maps)
+    if capsule is None:
+        return None
+    return Packed(capsule, make_args, storage, slots, maps, _packing(tuple(signature.items()))[2])
+
+
+def with_values(packed: Packed, values: dict) -> Packed | None:
+    """``packed`` with scalar arguments replaced (``values``: argument index -> int or float, or
+    a tuple of them for a tuple argument), everything else as packed, or None when an argument
+    is not a packed scalar. Elements that are constexprs in the compiled kernel are skipped: the
+    caller vouches that the new values specialize as the packed ones did, so they are equal."""
+    storage = bytearray(packed.storage)
     try:
-        return native.make(compiled.function, grid[0], grid[1], grid[2], 32 * num_warps, shared, storage, slots,
-                           maps)
+        for arg, value in values.items():
+            for element, word in (enumerate(value) if isinstance(value, tuple) else ((-1, value),)):
+                where = packed.scalars[arg, element]
+                if where is not None:
+                    struct.pack_into(where[1], storage, 8 * where[0], word)
+    except (KeyError, struct.error):
+        return None
+    storage = bytes(storage)
+    capsule = _make(module(), packed.make_args, storage, packed.slots, packed.maps)
+    return None if capsule is None else Packed(capsule, packed.make_args, storage, packed.slots, packed.maps,
+                                               packed.scalars)
+
+
+def _make(native, make_args: tuple, storage: bytes, slots: tuple, maps: tuple):
+    try:
+        return native.make(*make_args, storage, slots, maps)
     except (RuntimeError, ValueError, IndexError, OverflowError, MemoryError):
         return None  # e.g. the driver refused to encode a descriptor: Triton's launcher keeps the launch

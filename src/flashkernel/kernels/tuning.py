@@ -338,5 +338,10 @@ def decode_tuning(device: torch.device | None) -> DecodeTuning:
     interpreter or offline compiles). Cached per GPU model."""
     if device is None or device.type != "cuda":
         return _decode_tuning_for("", DEFAULT_GPU_KEY)
-    name, arch, _ = device_facts(device)
+    return _decode_tuning_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_tuning_of_index(index: int) -> DecodeTuning:
+    name, arch, _ = device_facts(torch.device("cuda", index))
     return _decode_tuning_for(name, arch)
