@@ -263,6 +263,8 @@ def test_a_native_launch_repacked_with_other_scalars_equals_a_fresh_pack(monkeyp
     assert _native.with_values(packed, {0: 5}) is None  # a pointer
     assert _native.with_values(packed, {2: (1, 2)}) is None  # a tuple for a scalar
     assert _native.with_values(packed, {1: (1, 1, "x")}) is None  # not a number
+    assert _native.with_values(packed, {1: (9, 1)}) is None and _native.with_values(packed, {1: (9, 1, 2, 3)}) is None
+    assert _native.with_values(packed, {3: 1e300}) is None  # no fp32
 
 
 def test_native_launch_packs_tma_descriptors_as_tritons_launcher():

@@ -617,6 +617,18 @@ def test_a_growing_contiguous_cache_is_served_by_rebound_replays_bit_identical_g
     assert served >= len(lengths) * 3 // 4, (served, len(lengths))
 
 
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_cache_of_another_rank_gets_its_error_on_the_eager_path(monkeypatch, rank):
+    """The eager path keys the call (and its length family) before validation: a cache that is
+    not rank 4 still gets validation's ValueError."""
+    monkeypatch.setattr(interface, "_eager", lambda tensors: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
+    bad = k_cache.reshape(-1)[0] if rank == 0 else k_cache[0]
+    with pytest.raises(ValueError, match="must have 4 dimensions"):
+        flashkernel.flash_attn_with_kvcache(q, bad, v_cache, cache_seqlens=seqlens)
+
+
 @pytest.mark.gpu
 def test_a_length_family_call_still_gets_the_errors_its_lengths_and_strides_cause_gpu(monkeypatch):
     """Once a call over a contiguous cache is recorded, calls differing from it only in the

@@ -201,17 +201,22 @@ def check_block_table(block_table, batch: int) -> None:
 
 
 def check_cache_extent(k_cache, v_cache) -> None:
-    """The checks of two rank-4 caches that read their lengths or strides: equal shapes, a
-    contiguous last dimension. ``flash_attn_with_kvcache`` runs only these for a call that
-    differs from a validated one in nothing but the caches' lengths and strides (its length
-    families): a new check that reads them belongs here."""
+    """The checks of two rank-4 caches that read their lengths or strides: equal shapes
+    (:func:`check_same_cache_shape`), a contiguous last dimension. ``flash_attn_with_kvcache``
+    runs only these for a call that differs from a validated one in nothing but the caches'
+    lengths and strides (its length families), and the full validation runs both of them: a new
+    check that reads the lengths or strides belongs here too."""
+    check_same_cache_shape(k_cache, v_cache)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, x)
+
+
+def check_same_cache_shape(k_cache, v_cache) -> None:
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache has shape {tuple(k_cache.shape)} and v_cache has shape "
             f"{tuple(v_cache.shape)}: they must have the same shape"
         )
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_dim_contiguous(name, x)
 
 
 def check_kv_cache_pair(q, k_cache, v_cache, block_table) -> None:
@@ -220,7 +225,7 @@ def check_kv_cache_pair(q, k_cache, v_cache, block_table) -> None:
         "[batch, max_seqlen, kv_heads, head_dim]")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_rank(name, x, 4, layout)
-    check_cache_extent(k_cache, v_cache)
+    check_same_cache_shape(k_cache, v_cache)
     if k_cache.shape[3] != q.shape[3]:
         raise ValueError(
             f"k_cache has head_dim {k_cache.shape[3]} but q has head_dim {q.shape[3]}: "
@@ -412,7 +417,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     check_kv_scales(k_scale, v_scale, k_cache, quantized)
     check_device("q", q, interpreted)
     check_head_dim("q", q.shape[3])
-    for name, x in floats:  # the caches': check_cache_extent
+    for name, x in floats + caches:  # the caches' two checks: check_cache_extent's
         check_last_dim_contiguous(name, x)
 
 

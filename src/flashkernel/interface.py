@@ -115,7 +115,7 @@ def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op, fam
     if eager_key is not None:
         try:
             hash(eager_key)
-        except TypeError:  # an unhashable key (a list as window_size): not recorded
+        except TypeError:  # an unhashable key (a scalar argument given as a list): not recorded
             return run_eager()
         return _EAGER_CALLS.run(eager_key, tensors, run_eager, family)
     ops.check_no_grad(op, named, f"flashkernel.{public}")
@@ -566,10 +566,10 @@ def flash_attn_with_kvcache(
 
 def _family_base(key):
     """A cache call's key without the caches' lengths and strides (what calls over contiguous
-    caches of other lengths share), or None for a key that has no caches' layouts."""
+    caches of other lengths share), or None for a key without two rank-4 caches."""
     name, key_scalars, types, window, tensor_layouts = key
-    if tensor_layouts[1] is None or tensor_layouts[2] is None:
-        return None
+    if any(layout is None or len(layout[0]) != 4 for layout in tensor_layouts[1:3]):
+        return None  # bad input: validation names it
     caches = tuple((shape[0], shape[2:], *rest) for shape, _, *rest in tensor_layouts[1:3])
     return name, key_scalars, types, window, tensor_layouts[:1] + caches + tensor_layouts[3:]
 

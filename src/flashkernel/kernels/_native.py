@@ -408,14 +408,16 @@ def with_values(packed: Packed, values: dict) -> Packed | None:
     a tuple of them for a tuple argument), everything else as packed, or None when an argument
     is not a packed scalar. Elements that are constexprs in the compiled kernel are skipped: the
     caller vouches that the new values specialize as the packed ones did, so they are equal."""
-    storage = bytearray(packed.storage)
+    storage, scalars = bytearray(packed.storage), packed.scalars
     try:
         for arg, value in values.items():
+            if isinstance(value, tuple) and ((arg, len(value) - 1) not in scalars or (arg, len(value)) in scalars):
+                return None  # not the tuple's length
             for element, word in (enumerate(value) if isinstance(value, tuple) else ((-1, value),)):
-                where = packed.scalars[arg, element]
+                where = scalars[arg, element]
                 if where is not None:
                     struct.pack_into(where[1], storage, 8 * where[0], word)
-    except (KeyError, struct.error):
+    except (KeyError, struct.error, OverflowError, TypeError):
         return None
     storage = bytes(storage)
     capsule = _make(module(), packed.make_args, storage, packed.slots, packed.maps)
