@@ -579,6 +579,34 @@ def test_only_the_length_arguments_follow_a_contiguous_caches_length(monkeypatch
     assert first.get("allocations") == second.get("allocations")
 
 
+@pytest.mark.parametrize("sms", [4, 132])
+def test_a_contiguous_caches_plan_depends_on_its_capacity_only_by_the_plan_span_step(monkeypatch, sms):
+    """``decode.plan_span_step``: every capacity plans the launch of the capacity rounded up to a
+    multiple of the step (what the length family's memo of plans relies on), over the shipped
+    tuning's rules: batch, group, head dim, dtype, new tokens, windows, quantized caches,
+    splits given or not, the interpreter's tile."""
+    from flashkernel.kernels import decode
+
+    monkeypatch.setattr(decode, "sm_count", lambda device, interpreted: sms)
+    tuned = decode.tuning.decode_tuning(None)
+    step = decode.plan_span_step(tuned)
+    assert step >= 16
+    cases = [(1, 32, 8, 128, torch.bfloat16, 1, (-1, 0), 0, 0, False), (8, 32, 8, 128, torch.float16, 1, (-1, 0), 0, 0, False),
+             (64, 16, 8, 256, torch.bfloat16, 1, (4095, 0), 0, 0, False), (2, 8, 8, 64, torch.float32, 3, (-1, -1), 0, 0, False),
+             (4, 32, 8, 128, torch.bfloat16, 1, (-1, 0), 1, 0, False), (3, 12, 4, 96, torch.float16, 5, (700, 0), 0, 3, False),
+             (32, 64, 8, 128, torch.bfloat16, 1, (-1, 0), 2, 0, False), (2, 4, 2, 32, torch.float16, 1, (-1, 0), 0, 0, True)]
+    for batch, heads, kv_heads, head_dim, dtype, seqlen_new, window, kv_scale, num_splits, interpreted in cases:
+        q = torch.empty(batch, seqlen_new, heads, head_dim, dtype=dtype)
+        variant = decode.Variant.of(True, window, 0.0, None, None)
+
+        def plan(capacity):
+            return decode.plan_decode(q, kv_heads, decode.CacheGeometry(0, capacity, batch), variant, num_splits, None,
+                                      tuned, kv_scale, interpreted)
+
+        for capacity in range(1, 9000):
+            assert plan(capacity) == plan(step * -(-capacity // step)), (batch, heads, head_dim, dtype, capacity)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, dict(window_size=(64, 0), softcap=30.0), dict(num_splits=3, return_lse=True),
                                      dict(causal=False, window_size=(-1, 3)), dict(alibi=True, sinks=True)])
@@ -615,6 +643,27 @@ def test_a_growing_contiguous_cache_is_served_by_rebound_replays_bit_identical_g
                 assert torch.equal(g, w), (length, variant)
     served = sum(r is not None for r in rebound)
     assert served >= len(lengths) * 3 // 4, (served, len(lengths))
+
+
+@pytest.mark.gpu
+def test_replays_of_one_length_family_called_in_any_order_launch_their_own_lengths_gpu():
+    """Rebound replays share the recorded launches' packed parameters (``Replay.with_arguments``),
+    and each run writes its own: lengths called again in any order, after the family's other
+    lengths ran, equal the full path bit for bit."""
+    interface._EAGER_CALLS.clear()
+    batch, heads, kv_heads, head_dim = 2, 16, 4, 64
+    lengths = list(range(100, 108))
+    for length in lengths + lengths[::-1] + [103, 100, 107, 101, 106, 100]:
+        q = torch.randn(batch, heads, 1, head_dim, dtype=torch.float16, device="cuda").transpose(1, 2)
+        k_cache, v_cache = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.float16,
+                                        device="cuda").transpose(1, 2) for _ in range(2))
+        seqlens = torch.tensor([length, length - 7], dtype=torch.int32, device="cuda")
+        want = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, validate=True)
+        got = flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+        assert torch.equal(got, want), length
+    replays = [r for r in interface._EAGER_CALLS._replays.values() if r]
+    assert len(replays) == len(lengths) and sum(r._storages is not None for r in replays) >= len(lengths) - 1
+    interface._EAGER_CALLS.clear()
 
 
 @pytest.mark.parametrize("rank", [0, 3])

@@ -612,7 +612,7 @@ def _length_family(base, tensors, scalars):
     found = dispatch.decode_length_family(q, k_cache, v_cache, k, block_table, k_scale, causal=causal,
                                           window_size=(window_left, window_right), softcap=cap,
                                           alibi_slopes=alibi_slopes, sinks=sinks, num_splits=num_splits,
-                                          backend=backend)
+                                          backend=backend, plans=_EAGER_CALLS.notes, base=base)
     if found is None:
         return None
     launch, lengths = found

@@ -157,20 +157,43 @@ def _padding_columns(attention_mask, kv_length: int, kv_offset: int) -> torch.Te
     return mask
 
 
-def _key_spans(attention_mask) -> torch.Tensor | None:
-    """``[B, 3]`` int32 spans from :func:`key_spans_mask`'s output, None for None; any other mask
-    is an error (it would be ignored, and padding attended, silently)."""
+_SPANS_OF_MASKS: dict = {}  # id -> (weak reference, version, spans): the masks of the current forward
+
+
+def _key_spans(attention_mask) -> tuple | None:
+    """``(spans, start, end, existing)`` from :func:`key_spans_mask`'s output: the int32 ``[B,
+    3]`` spans and their three ``[B]`` columns; None for None; any other mask is an error (it
+    would be ignored, and padding attended, silently).
+
+    Every layer of a forward gets the same mask tensor (one per layer type), so in eager mode
+    the views are made once per mask and kept while it is unmodified: the later layers' calls
+    make none."""
     if attention_mask is None:
         return None
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        kept = _SPANS_OF_MASKS.get(id(attention_mask))
+        if kept is not None and kept[0]() is attention_mask and kept[1] == attention_mask._version:
+            return kept[2]
     if (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int32
             and attention_mask.dim() == 4 and tuple(attention_mask.shape[1:]) == (1, 1, SPAN_FIELDS)):
-        return attention_mask.view(-1, SPAN_FIELDS)
+        spans = _with_columns(attention_mask.view(-1, SPAN_FIELDS))
+        if not compiling:
+            if len(_SPANS_OF_MASKS) >= 8:
+                _SPANS_OF_MASKS.clear()
+            _SPANS_OF_MASKS[id(attention_mask)] = (weakref.ref(attention_mask), attention_mask._version, spans)
+        return spans
     what = (f"a {attention_mask.dtype} tensor of shape {tuple(attention_mask.shape)}"
             if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
     raise TypeError(
         f"flashkernel's attention got {what} as its attention mask; it reads the masks of its own mask function: "
         "register both with flashkernel.integrations.transformers.register() (AttentionMaskInterface as well as "
         "AttentionInterface), and pass a 2-D padding mask to the model, not a prepared 4-D one")
+
+
+def _with_columns(spans: torch.Tensor) -> tuple:
+    """``(spans, start, end, existing)`` of int32 spans ``[B, 3]``."""
+    return (spans, *spans.unbind(-1))
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -212,17 +235,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
         out = _packed(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, causal, variant)
     elif q.shape[1] <= DECODE_MAX_QUERIES and not ops.needs_grad((q, k, v, s_aux)):
-        if spans is None:
-            spans = _all_keys(q.shape[0], k.shape[1], q.device)
+        _, start, end, existing = spans or _with_columns(_all_keys(q.shape[0], k.shape[1], q.device))
         # Causal: the queries are the last of the existing keys, and right padding after a
         # sequence's keys lies in no valid query's past. Bidirectional: its keys end at `end`.
-        lengths = spans[:, 2] if causal else spans[:, 1]
-        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, cache_leftpad=spans[:, 0], causal=causal,
-                                      **variant)
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=existing if causal else end, cache_leftpad=start,
+                                      causal=causal, **variant)
     elif spans is None:
         out = flash_attn_func(q, k, v, causal=causal, **variant)
     else:
-        out = _padded(q, k, v, spans, causal, variant)
+        out = _padded(q, k, v, spans[0], causal, variant)
     return out, None
 
 

@@ -245,6 +245,9 @@ class Replay:
         del self.everything, self.first_at  # the call's tensors: needed only to read the addresses
         self._packed = self._native_launches()
         self.native = None if self._packed is None else tuple(p.capsule for p in self._packed)
+        # Each launch's parameters, passed to every run once a replay shares its capsules with
+        # replays of other scalar values (with_arguments); None while it shares none.
+        self._storages = None
 
     def _launch_template(self, compiled, grid, values, device):
         if device != self.device:
@@ -306,13 +309,15 @@ class Replay:
         clone = copy.copy(self)  # shares _scratch_by_stream and its lock: the allocations are the same
         clone.launches = self.launches[:index] + (launch,) + self.launches[index + 1:]
         if self.native is not None:
-            # The other parameters are those packed: only the new values are written.
+            # The same capsules (kernel, grid, address slots) with other parameters: from now on
+            # every replay sharing them passes its own parameters to each run.
             packed = _native.with_values(self._packed[index], values)
             if packed is None:
-                clone._packed = clone.native = None
+                clone._packed = clone.native = clone._storages = None
             else:
+                self._storages = tuple(p.storage for p in self._packed)
                 clone._packed = self._packed[:index] + (packed,) + self._packed[index + 1:]
-                clone.native = tuple(p.capsule for p in clone._packed)
+                clone._storages = tuple(p.storage for p in clone._packed)
         return clone
 
     def run(self, inputs, reuse_scratch: bool = False, outputs=None):
@@ -367,7 +372,7 @@ class Replay:
         addresses = [None if x is None else x.data_ptr() for x in inputs]
         addresses += [t.data_ptr() for t in allocated]
         if self.native is not None:
-            _native.module().run(stream, addresses, self.native)
+            _native.module().run(stream, addresses, self.native, self._storages)
             return tuple([None if j is None else allocated[j] for j in self.outputs])
         for (launch, grid, function, coop, pdl, metadata), template, slots, descriptors, scratch in self.launches:
             args = template.copy()
@@ -422,13 +427,15 @@ class CallCache:
     has no replay yet is then served by :meth:`rebound`: the family's replay with those arguments
     replaced, filed under the call's key, with no dispatch or recording of its own launches.
     :meth:`has_family` tells the caller whether any call of a ``base`` was filed (what its
-    checks of a new call may rely on).
+    checks of a new call may rely on); ``notes`` is the caller's to keep what it derives per
+    base (cleared with the replays).
     """
 
     def __init__(self, max_entries: int = 1024):
         self.max_entries = max_entries
         self._replays: dict = {}
         self._families: dict = {}
+        self.notes: dict = {}
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
     def get(self, key) -> Replay | None:
@@ -485,6 +492,7 @@ class CallCache:
     def clear(self) -> None:
         self._replays.clear()
         self._families.clear()
+        self.notes.clear()
 
     def __len__(self) -> int:
         """Keys with a replay."""

@@ -44,6 +44,7 @@ typedef struct {
   CUfunction function;
   unsigned int grid[3], block, shared;
   char *storage;            /* 8 bytes per parameter */
+  Py_ssize_t nparams;
   void **params;
   Py_ssize_t nslots;
   int *slot_param, *slot_source;
@@ -119,6 +120,7 @@ static PyObject *make(PyObject *self, PyObject *args) {
   }
   l->function = (CUfunction)(uintptr_t)function;
   l->grid[0] = gx; l->grid[1] = gy; l->grid[2] = gz; l->block = block; l->shared = shared;
+  l->nparams = nparams;
   l->storage = (char *)malloc(storage.len > 0 ? storage.len : 8);
   if (l->storage) memcpy(l->storage, storage.buf, storage.len);
   PyBuffer_Release(&storage);
@@ -174,11 +176,31 @@ static int address_at(PyObject *addresses, int source, unsigned long long *base)
   return PyErr_Occurred() ? -1 : 0;
 }
 
-/* run(stream, addresses: list of int or None, launches: tuple of capsules) */
+/* The parameters packed for launch k in storages (a tuple of bytes, one per launch) into l's
+   buffer: replays that share a launch (other scalar values, the same kernel and grid) each write
+   their own before launching. The GIL is held throughout a run, so no other run interleaves. */
+static int restore_storage(Launch *l, PyObject *storages, Py_ssize_t k) {
+  if (storages == Py_None) return 0;
+  if (!PyTuple_Check(storages) || k >= PyTuple_GET_SIZE(storages)) {
+    PyErr_SetString(PyExc_ValueError, "storages: one bytes object per launch");
+    return -1;
+  }
+  PyObject *item = PyTuple_GET_ITEM(storages, k);
+  if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) != 8 * l->nparams) {
+    PyErr_SetString(PyExc_ValueError, "storages: a launch's parameters have another size");
+    return -1;
+  }
+  memcpy(l->storage, PyBytes_AS_STRING(item), 8 * l->nparams);
+  return 0;
+}
+
+/* run(stream, addresses: list of int or None, launches: tuple of capsules[, storages: tuple of
+       bytes or None]) */
 static PyObject *run(PyObject *self, PyObject *args) {
   unsigned long long stream;
-  PyObject *addresses, *launches;
-  if (!PyArg_ParseTuple(args, "KO!O!", &stream, &PyList_Type, &addresses, &PyTuple_Type, &launches)) return NULL;
+  PyObject *addresses, *launches, *storages = Py_None;
+  if (!PyArg_ParseTuple(args, "KO!O!|O", &stream, &PyList_Type, &addresses, &PyTuple_Type, &launches, &storages))
+    return NULL;
   CUcontext ctx;
   if (cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
     PyErr_SetString(PyExc_RuntimeError, "no current CUDA context");
@@ -186,7 +208,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
   }
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(launches); k++) {
     Launch *l = (Launch *)PyCapsule_GetPointer(PyTuple_GET_ITEM(launches, k), "flashkernel.Launch");
-    if (!l) return NULL;
+    if (!l || restore_storage(l, storages, k) != 0) return NULL;
     unsigned long long base;
     for (Py_ssize_t i = 0; i < l->nslots; i++) {
       if (address_at(addresses, l->slot_source[i], &base) != 0) return NULL;
@@ -365,11 +387,11 @@ def pack(signature: dict, values, pointer_slots: dict, descriptors=None, descrip
 
 class Packed(NamedTuple):
     """One launch packed for the C module: ``capsule`` is what its ``run`` takes; the rest is
-    what :func:`with_values` needs to pack it again with other scalar arguments."""
+    what :func:`with_values` needs to give it other scalar arguments."""
 
     capsule: object
     make_args: tuple  # function, grid x, y, z, threads per CTA, shared memory
-    storage: bytes
+    storage: bytes  # the parameters (addresses left to the run); what the capsule was made with, or with_values's
     slots: tuple
     maps: tuple
     scalars: dict  # _packing's (argument, element) -> (parameter, struct code) or None
@@ -405,9 +427,13 @@ def launch_for(compiled, grid, values, pointer_slots: dict, descriptors=None) ->
 
 def with_values(packed: Packed, values: dict) -> Packed | None:
     """``packed`` with scalar arguments replaced (``values``: argument index -> int or float, or
-    a tuple of them for a tuple argument), everything else as packed, or None when an argument
-    is not a packed scalar. Elements that are constexprs in the compiled kernel are skipped: the
-    caller vouches that the new values specialize as the packed ones did, so they are equal."""
+    a tuple of them for a tuple argument) and the same capsule, or None when an argument is not a
+    packed scalar. Elements that are constexprs in the compiled kernel are skipped: the caller
+    vouches that the new values specialize as the packed ones did, so they are equal.
+
+    The capsule is shared: the launch's C buffer holds whichever parameters were written last, so
+    every replay that runs a shared capsule passes its launches' ``storage`` to ``run`` (the
+    C module copies them in before launching)."""
     storage, scalars = bytearray(packed.storage), packed.scalars
     try:
         for arg, value in values.items():
@@ -419,10 +445,7 @@ def with_values(packed: Packed, values: dict) -> Packed | None:
                     struct.pack_into(where[1], storage, 8 * where[0], word)
     except (KeyError, struct.error, OverflowError, TypeError):
         return None
-    storage = bytes(storage)
-    capsule = _make(module(), packed.make_args, storage, packed.slots, packed.maps)
-    return None if capsule is None else Packed(capsule, packed.make_args, storage, packed.slots, packed.maps,
-                                               packed.scalars)
+    return packed._replace(storage=bytes(storage))
 
 
 def _make(native, make_args: tuple, storage: bytes, slots: tuple, maps: tuple):

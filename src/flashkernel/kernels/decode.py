@@ -1047,6 +1047,29 @@ def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, var
                       (programs * num_splits,))
 
 
+@functools.lru_cache(maxsize=None)
+def plan_span_step(tuned: DecodeTuning) -> int:
+    """Keys ``g`` such that :func:`plan_decode` over a contiguous cache (``config`` None) depends
+    on its capacity only through ``cdiv(capacity, g)``: a cache that grows by a key per step
+    needs a new plan once every ``g`` steps.
+
+    Why: the capacity enters only as the span, the capacity or ``min(capacity, c)`` with ``c``
+    fixed by the window and shapes, so ``cdiv(span, g)`` is ``cdiv(capacity, g)`` or
+    ``min(cdiv(capacity, g), cdiv(c, g))``; the span then enters only as ``cdiv(span,
+    min_tokens)`` (the split count; ``waves_for`` of a contiguous cache ignores it) and as
+    comparisons ``cdiv(span, splits) <= t`` (``fit_config``), which hold exactly when ``span <=
+    splits * t``. With ``g`` dividing ``min_tokens`` and every ``t`` (the tiles' key counts,
+    their float32 halves, the interpreter's tile and the rules' token counts), each of those is
+    a function of ``cdiv(span, g)``. ``tests/test_kvcache.py`` checks it against the plan.
+    """
+    tiles = [config.block_n for table in (tuned.contiguous, tuned.quantized_contiguous) for config in table.values()]
+    counts = tiles + [max(16, block_n // 2) for block_n in tiles] + [
+        INTERPRETER_CONFIG.block_n, tuned.short_block_n, tuned.min_split_tokens, tuned.unmeasured_min_split_tokens,
+        tuned.short_split_tokens, tuned.multi_wave_max_tokens, tuned.multi_wave_config.block_n,
+        tuned.quantized_multi_wave_config.block_n]
+    return math.gcd(*counts)
+
+
 def split_targets(q, out, lse, num_splits):
     """Where a decode kernel writes: ``out``/``lse`` with one split, else fp32 partials
     ``[S, B, T, Hq, D]`` and their LSE ``[S, B, Hq, T]`` in a workspace allocated for the call

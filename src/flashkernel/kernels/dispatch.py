@@ -324,10 +324,15 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *, k_new=N
 
 
 def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, causal: bool, window_size, softcap: float,
-                         alibi_slopes, sinks, num_splits: int, backend: str, tuned: DecodeTuning | None = None):
+                         alibi_slopes, sinks, num_splits: int, backend: str, tuned: DecodeTuning | None = None,
+                         plans: dict | None = None, base=None):
     """For a validated decode call whose recorded launches could serve another cache length:
     ``(launch, lengths)``, the :class:`decode.DecodeLaunch` it runs and its
     ``decode.length_arguments``; None for other calls.
+
+    ``plans``: the caller's memo of launches, by ``(base, cdiv(capacity, g))`` with ``base`` a
+    key of everything but the caches' lengths and strides that the call's arguments fix, and
+    ``g`` = ``decode.plan_span_step``: calls that agree on both plan the same launch.
 
     Such a call reads a contiguous cache and appends nothing (transformers' dynamic cache hands
     over a new, one-token-longer cache every step), on the Triton kernel: ``"auto"`` never takes
@@ -345,7 +350,13 @@ def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, ca
     if tuned is None:
         tuned = tuning.decode_tuning(q.device)
     variant = Variant.of(causal, window_size, softcap, alibi_slopes, sinks)
-    geometry = triton_decode.CacheGeometry.of(k_cache, None)
-    launch = triton_decode.plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, None, tuned,
-                                       triton_decode.scale_args(k_scale)[0], interpreted())
+    capacity = k_cache.shape[1]
+    where = None if plans is None else (base, cdiv(capacity, triton_decode.plan_span_step(tuned)))
+    launch = None if where is None else plans.get(where)
+    if launch is None:
+        geometry = triton_decode.CacheGeometry(0, capacity, k_cache.shape[0])
+        launch = triton_decode.plan_decode(q, k_cache.shape[2], geometry, variant, num_splits, None, tuned,
+                                           triton_decode.scale_args(k_scale)[0], interpreted())
+        if where is not None:
+            plans[where] = launch
     return launch, triton_decode.length_arguments(k_cache, v_cache, variant, q.shape[1], quantized)
