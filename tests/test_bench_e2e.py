@@ -43,7 +43,7 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     assert all(r["status"] == "ok" for r in rows), [r.get("message") for r in rows]
     for r in rows:
         if r["section"] == "generate eager dynamic":  # every provider timed in each round
-            assert r["runs"] == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+            assert r["runs"] == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] and len(r["round_ms"]) == 2
     sections = {(r["section"], r["provider"]) for r in rows}
     for section in ("accuracy", "prefill", "generate eager dynamic"):
         assert {(section, "fk_attention"), (section, "sdpa")} <= sections
@@ -59,6 +59,9 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
         if "median_ms" in r:
             mine = by_key[r["section"], r["case"], "paged|fk_attention" if r["section"] == "batching" else "fk_attention"]
             assert r["flashkernel_speedup"] == pytest.approx(r["median_ms"] / mine["median_ms"])
+            if "round_ms" in r:  # paired within each round
+                ratios = sorted(t / m for t, m in zip(r["round_ms"], mine["round_ms"]))
+                assert r["paired_speedup"] == pytest.approx((ratios[0] + ratios[1]) / 2)
     assert "fk_attention speedup" in e2e.table(rows)
 
     e2e.write(rows, plan, ["bench", "e2e"], str(tmp_path), "cpu")

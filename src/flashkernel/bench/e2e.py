@@ -25,7 +25,7 @@ Sections (each measured after a warm-up that compiles what it needs):
 * ``generate``: ``model.generate`` at batch 1 and 8, 2k-token prompts, 256 new tokens (greedy,
   no stop token), tokens/s over the whole call (median); eager with the dynamic cache (the
   providers alternate over five rounds: the host's speed drifts between runs by more than the
-  rows differ), and compiled with the static cache (transformers' default ``CompileConfig``: ``torch.compile`` of the decode step,
+  rows differ; the speedup is also given as the median of the rounds' own ratios), and compiled with the static cache (transformers' default ``CompileConfig``: ``torch.compile`` of the decode step,
   ``mode="reduce-overhead"``; compile time reported apart).
 * ``batching``: ``model.generate_batch`` (continuous batching) of 64 requests, prompts of 128 to
   2048 tokens, 256 new tokens each: ``paged|fk_attention`` against ``paged|sdpa`` (and the
@@ -277,7 +277,8 @@ def generate_rows(name, model, providers, plan: Plan, generator, compiled: bool)
     cache (the compiled call is rebuilt for each provider; its first call's time is reported as
     ``compile_s``). Eager runs alternate the providers over ``plan.generate_rounds`` rounds (one
     warm-up each first, the order reversed every other round), so a drift of the host's speed
-    falls on every provider alike; rows carry the median and the fastest and slowest round."""
+    falls on every provider alike; rows carry the median, the fastest and slowest round and
+    every round's time (``round_ms``, in order: :func:`add_speedups` pairs them)."""
     import torch
 
     rows = []
@@ -302,7 +303,8 @@ def generate_rows(name, model, providers, plan: Plan, generator, compiled: bool)
             for provider in (providers if round_ % 2 == 0 else providers[::-1]):
                 use(model, provider)
                 seconds[provider] += timed(runs[provider], 1)
-        rows += [_generate_row(case, provider, seconds[provider], "generate eager dynamic") for provider in providers]
+        rows += [_generate_row(case, provider, seconds[provider], "generate eager dynamic",
+                               round_ms=[t * 1e3 for t in seconds[provider]]) for provider in providers]
     if compiled:
         torch._dynamo.reset()
         model.__dict__.pop("_compiled_call", None)
@@ -426,7 +428,9 @@ def run(plan: Plan, progress=None, checkpoint=None) -> list[dict]:
 
 def add_speedups(rows: list[dict]) -> list[dict]:
     """``flashkernel_speedup`` on every timed row: its time / flashkernel's (or flashkernel's
-    throughput / its), for the same model, section and case."""
+    throughput / its), for the same model, section and case. Rows timed in alternating rounds
+    (``round_ms``) also get ``paired_speedup``: the median over rounds of the two providers'
+    ratio within the round, which a drift of the host's speed between rounds does not move."""
     def key(row):
         return row["model"], row["section"], row["case"]
 
@@ -436,6 +440,9 @@ def add_speedups(rows: list[dict]) -> list[dict]:
         mine = ours.get(key(row))
         if mine is not None and "median_ms" in row:
             row["flashkernel_speedup"] = row["median_ms"] / mine["median_ms"]
+            rounds, my_rounds = row.get("round_ms"), mine.get("round_ms")
+            if rounds and my_rounds and len(rounds) == len(my_rounds):
+                row["paired_speedup"] = statistics.median(t / mine_t for t, mine_t in zip(rounds, my_rounds))
     return rows
 
 
@@ -462,8 +469,10 @@ def table(rows: list[dict], markdown: bool = False) -> str:
                                                          else ""))
             extra = f" (compile {r['compile_s']:.0f} s)" if "compile_s" in r else ""
             mine = r["provider"].endswith(FLASHKERNEL)
-            timed_rows.append([r["model"], r["section"], r["case"], r["provider"], value + extra,
-                               f"{r['flashkernel_speedup']:.2f}x" if "flashkernel_speedup" in r and not mine else ""])
+            speedup = f"{r['flashkernel_speedup']:.2f}x" if "flashkernel_speedup" in r and not mine else ""
+            if speedup and "paired_speedup" in r:
+                speedup += f" (rounds: {r['paired_speedup']:.2f}x)"
+            timed_rows.append([r["model"], r["section"], r["case"], r["provider"], value + extra, speedup])
     parts = [format_table(["model", "section", "case", "provider", "result", "fk_attention speedup"], timed_rows,
                           text_columns=4, markdown=markdown)]
     if accuracy:
