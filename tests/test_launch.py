@@ -299,3 +299,18 @@ def test_native_launch_packs_tma_descriptors_as_tritons_launcher():
     assert _native.pack(in_tuple, (None, (None, 1), 5, 64), {0: (0, 0)}, {1: descriptor}, meta) is None
     nan = (4, shape, strides, "nan", 0x7F0000000000)
     assert _native.pack(signature, *args, {1: nan}, meta)[2][0][-1] == 1
+
+
+def test_call_cache_notes_stay_bounded_without_replays():
+    """``CallCache.notes`` (a caller's memo per family base) empties itself at the cache's
+    bound even when no replay is ever filed (recording off), and with the replays."""
+    from flashkernel.kernels._launch import CallCache
+
+    cache = CallCache(max_entries=4)
+    for i in range(10):
+        cache.notes[i] = i
+        assert len(cache.notes) <= 4
+    cache.notes[9] = "again"  # a present key never empties it
+    assert cache.notes[9] == "again" and len(cache.notes) == 2
+    cache.clear()
+    assert not cache.notes

@@ -172,6 +172,25 @@ def test_packed_sequences_attend_only_their_own_tokens():
         assert (got - alone).abs().max().item() < 1e-4
 
 
+def test_inference_mode_generations_and_packed_inputs_equal_no_grad():
+    """Under ``torch.inference_mode`` (inference tensors have no version counter, which the
+    per-forward memos read otherwise) a padded batch generates the same tokens as under no_grad,
+    and packed inputs from position_ids give the same logits."""
+    ref, ours = tiny_models("llama")
+    ids, mask = padded_batch((SHORT_PROMPT - 4, SHORT_PROMPT))
+    expected = greedy(ref, ids, mask)
+    with torch.inference_mode():
+        assert torch.equal(greedy(ours, ids, mask), expected)
+        lengths = (9, 12)
+        seqs = torch.randint(1, TINY["vocab_size"], (1, sum(lengths)), device=DEVICE)
+        positions = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
+        packed = ours(seqs, position_ids=positions).logits
+        again = ours(seqs, position_ids=positions).logits
+    with torch.no_grad():
+        want = ours(seqs.clone(), position_ids=positions.clone()).logits
+    assert torch.equal(packed, again) and (packed - want).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_compiled_static_cache_decode_has_no_graph_break(family):
     """A decode step over a static cache (left-padded batch) traces whole (fullgraph=True) and

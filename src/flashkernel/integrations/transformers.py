@@ -157,7 +157,7 @@ def _padding_columns(attention_mask, kv_length: int, kv_offset: int) -> torch.Te
     return mask
 
 
-_SPANS_OF_MASKS: dict = {}  # id -> (weak reference, version, spans): the masks of the current forward
+_SPANS_OF_MASKS: dict = {}  # id -> (mask, version, spans): the last few masks (kept alive: a few bytes each)
 
 
 def _key_spans(attention_mask) -> tuple | None:
@@ -170,18 +170,20 @@ def _key_spans(attention_mask) -> tuple | None:
     make none."""
     if attention_mask is None:
         return None
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
+    # Not while torch.compile traces, and not for inference tensors (no version counter).
+    keep = (not torch.compiler.is_compiling() and isinstance(attention_mask, torch.Tensor)
+            and not attention_mask.is_inference())
+    if keep:
         kept = _SPANS_OF_MASKS.get(id(attention_mask))
-        if kept is not None and kept[0]() is attention_mask and kept[1] == attention_mask._version:
+        if kept is not None and kept[0] is attention_mask and kept[1] == attention_mask._version:
             return kept[2]
     if (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int32
             and attention_mask.dim() == 4 and tuple(attention_mask.shape[1:]) == (1, 1, SPAN_FIELDS)):
         spans = _with_columns(attention_mask.view(-1, SPAN_FIELDS))
-        if not compiling:
+        if keep:
             if len(_SPANS_OF_MASKS) >= 8:
                 _SPANS_OF_MASKS.clear()
-            _SPANS_OF_MASKS[id(attention_mask)] = (weakref.ref(attention_mask), attention_mask._version, spans)
+            _SPANS_OF_MASKS[id(attention_mask)] = (attention_mask, attention_mask._version, spans)
         return spans
     what = (f"a {attention_mask.dtype} tensor of shape {tuple(attention_mask.shape)}"
             if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
@@ -294,8 +296,9 @@ def _packed_offsets(position_ids: torch.Tensor | None):
     device-to-host copy per forward (the answer is kept for the same, unmodified tensor)."""
     if position_ids is None or torch.compiler.is_compiling():
         return None, None
+    keep = not position_ids.is_inference()  # an inference tensor has no version counter
     last = _LAST_POSITIONS.get("key")
-    if last is not None and last[0]() is position_ids and last[1] == position_ids._version:
+    if keep and last is not None and last[0]() is position_ids and last[1] == position_ids._version:
         return _LAST_POSITIONS["value"]
     positions = position_ids.reshape(-1)
     starts = torch.ones_like(positions, dtype=torch.bool)
@@ -306,7 +309,8 @@ def _packed_offsets(position_ids: torch.Tensor | None):
     else:
         cu = torch.cat((first, first.new_tensor([positions.numel()]))).to(torch.int32)
         value = (cu, int((cu[1:] - cu[:-1]).max()))
-    _LAST_POSITIONS.update(key=(weakref.ref(position_ids), position_ids._version), value=value)
+    if keep:
+        _LAST_POSITIONS.update(key=(weakref.ref(position_ids), position_ids._version), value=value)
     return value
 
 

@@ -39,7 +39,6 @@ at import), every launch goes through ``kernel[grid]`` and nothing is recorded.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 
@@ -245,9 +244,9 @@ class Replay:
         del self.everything, self.first_at  # the call's tensors: needed only to read the addresses
         self._packed = self._native_launches()
         self.native = None if self._packed is None else tuple(p.capsule for p in self._packed)
-        # Each launch's parameters, passed to every run once a replay shares its capsules with
-        # replays of other scalar values (with_arguments); None while it shares none.
-        self._storages = None
+        # Each launch's parameters, passed to every run: replays of other scalar values share
+        # the capsules (with_arguments), and each run writes its own before launching.
+        self._storages = None if self._packed is None else tuple(p.storage for p in self._packed)
 
     def _launch_template(self, compiled, grid, values, device):
         if device != self.device:
@@ -306,7 +305,10 @@ class Replay:
         for i, value in values.items():
             template[i] = value
         launch = (head, template, slots, descriptors, scratch)
-        clone = copy.copy(self)  # shares _scratch_by_stream and its lock: the allocations are the same
+        # A shallow copy (as copy.copy makes, at a quarter of its cost): it shares _scratch_by_stream
+        # and its lock, the allocations being the same.
+        clone = object.__new__(Replay)
+        clone.__dict__.update(self.__dict__)
         clone.launches = self.launches[:index] + (launch,) + self.launches[index + 1:]
         if self.native is not None:
             # The same capsules (kernel, grid, address slots) with other parameters: from now on
@@ -315,7 +317,6 @@ class Replay:
             if packed is None:
                 clone._packed = clone.native = clone._storages = None
             else:
-                self._storages = tuple(p.storage for p in self._packed)
                 clone._packed = self._packed[:index] + (packed,) + self._packed[index + 1:]
                 clone._storages = tuple(p.storage for p in clone._packed)
         return clone
@@ -417,6 +418,20 @@ def layouts(tensors) -> tuple:
                    for i, t in enumerate(tensors)])
 
 
+class BoundedNotes(dict):
+    """A dict that empties itself before it would hold more than ``max_entries`` keys (a memo
+    whose entries can all be derived again)."""
+
+    def __init__(self, max_entries: int):
+        super().__init__()
+        self.max_entries = max_entries
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self and len(self) >= self.max_entries:
+            self.clear()
+        super().__setitem__(key, value)
+
+
 class CallCache:
     """Replays of recorded calls, by key (the caller's: its name, the :func:`layout` of each
     tensor and every scalar argument). Bounded: cleared when it grows past ``max_entries``.
@@ -435,7 +450,7 @@ class CallCache:
         self.max_entries = max_entries
         self._replays: dict = {}
         self._families: dict = {}
-        self.notes: dict = {}
+        self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
     def get(self, key) -> Replay | None:

@@ -1060,7 +1060,7 @@ def plan_span_step(tuned: DecodeTuning) -> int:
     comparisons ``cdiv(span, splits) <= t`` (``fit_config``), which hold exactly when ``span <=
     splits * t``. With ``g`` dividing ``min_tokens`` and every ``t`` (the tiles' key counts,
     their float32 halves, the interpreter's tile and the rules' token counts), each of those is
-    a function of ``cdiv(span, g)``. ``tests/test_kvcache.py`` checks it against the plan.
+    a function of ``cdiv(span, g)``. ``tests/test_ops.py`` checks it against the plan.
     """
     tiles = [config.block_n for table in (tuned.contiguous, tuned.quantized_contiguous) for config in table.values()]
     counts = tiles + [max(16, block_n // 2) for block_n in tiles] + [
