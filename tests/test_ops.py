@@ -789,6 +789,8 @@ def test_plans_refuse_other_layouts_and_grads():
         plan.run(q, k_cache, v_cache, k=q[:, :, :2], v=q[:, :, :2])
     with pytest.raises(RuntimeError, match="DecodePlan.run has no backward"):
         plan.run(q.clone().requires_grad_(True), k_cache, v_cache)
+    with torch.no_grad(), pytest.raises(TypeError, match="v_cache"):
+        plan.run(q, k_cache, v_cache.tolist())
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 41"):
         flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens + 11, validate=True)
 
@@ -897,3 +899,21 @@ def test_paged_decode_takes_gluon_only_under_graph_capture_gpu(monkeypatch):
     assert calls == []  # eager: the Triton kernel
     out = _replayed_capture(step)
     assert calls and torch.allclose(out.float(), eager.float(), atol=2e-2)
+
+
+@pytest.mark.parametrize("public", ["with_kvcache", "func", "varlen"])
+def test_an_argument_that_is_not_a_tensor_gets_its_error_on_the_eager_path_under_no_grad(monkeypatch, public):
+    """Without grad mode the eager path does not look at each argument's type before keying the
+    call: an argument that is not a tensor still gets validation's TypeError (it raised an
+    AttributeError from the key once)."""
+    monkeypatch.setattr(interface, "_eager", lambda tensors: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
+    with torch.no_grad(), pytest.raises(TypeError, match="k"):
+        if public == "with_kvcache":
+            flashkernel.flash_attn_with_kvcache(q, k_cache.tolist(), v_cache, cache_seqlens=seqlens)
+        elif public == "func":
+            flashkernel.flash_attn_func(q, k_cache.tolist(), v_cache)
+        else:
+            cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+            flashkernel.flash_attn_varlen_func(q[0], k_cache[0].tolist(), v_cache[0], cu, cu, q.shape[1], q.shape[1])

@@ -31,7 +31,8 @@ def kernels_interpreted() -> bool:
 def _eager(tensors) -> bool:
     """Whether a call may skip the dispatcher: not compiling, plain CUDA tensors, no gradient
     wanted (then nothing but our own launches can observe the op). Arguments that are not
-    tensors (bad input) say no: validation then names them."""
+    tensors (bad input) say no with grad mode on; without it :func:`_key` gives them no key.
+    Either way validation names them."""
     q = tensors[0]
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cuda:
         return False
@@ -41,17 +42,24 @@ def _eager(tensors) -> bool:
         return False
 
 
-def _key(name: str, scalars: tuple, window_size, tensors) -> tuple:
+def _key(name: str, scalars: tuple, window_size, tensors) -> tuple | None:
     """A call's cache key: its scalars with their types (``1``, ``1.0`` and ``True`` are equal
-    but validation accepts some of them and not others), the window, the tensors' layouts."""
+    but validation accepts some of them and not others), the window, the tensors' layouts; None
+    when an argument is not a tensor (bad input: validation names it)."""
     if window_size is not _checks.NO_WINDOW and isinstance(window_size, (tuple, list)):
         window_size = (window_size.__class__, tuple(window_size), tuple(map(type, window_size)))
-    return name, scalars, tuple(map(type, scalars)), window_size, layouts(tensors)
+    try:
+        tensor_layouts = layouts(tensors)
+    except (AttributeError, TypeError):
+        return None
+    return name, scalars, tuple(map(type, scalars)), window_size, tensor_layouts
 
 
 def _replay(key, tensors):
-    """The outputs of a replayed earlier call of the same key, or None (no such call, or a key
-    that cannot be hashed)."""
+    """The outputs of a replayed earlier call of the same key, or None (no such call, no key, or
+    a key that cannot be hashed)."""
+    if key is None:
+        return None
     try:
         replay = _EAGER_CALLS.get(key)
     except TypeError:
@@ -541,7 +549,7 @@ def flash_attn_with_kvcache(
         key = _key("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend,
                                torch.cuda.is_current_stream_capturing()), window_size, tensors)
         results = _replay(key, tensors)
-        if results is None:
+        if results is None and key is not None:
             results = _rebound_length(key, tensors, causal, softmax_scale, window_size, softcap, num_splits,
                                       return_lse, backend)
         if results is not None:

@@ -111,7 +111,10 @@ class _Plan:
 
     def _run(self, tensors, fixed, call, out=None):
         inputs = tuple(tensors) + tuple(fixed)
-        planned = layouts(tensors) == self._key
+        try:
+            planned = layouts(tensors) == self._key
+        except (AttributeError, TypeError):  # not a tensor: _same_layout names it
+            planned = False
         if not planned:
             for name, x, expected in zip(self._names, tensors, self._layouts):
                 _same_layout(name, x, expected)  # raises for another shape, strides, dtype or device
