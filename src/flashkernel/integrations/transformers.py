@@ -157,7 +157,36 @@ def _padding_columns(attention_mask, kv_length: int, kv_offset: int) -> torch.Te
     return mask
 
 
-_SPANS_OF_MASKS: dict = {}  # id -> (mask, version, spans): the last few masks (kept alive: a few bytes each)
+class _PerTensorMemo:
+    """Values derived from a tensor, kept while the tensor is unmodified: every layer of a
+    forward gets the same mask and position tensors, so the first layer's work serves the
+    others. Holds the last ``size`` tensors (alive, by reference: masks and positions are small).
+
+    Only for eager calls on tensors with a version counter: :meth:`usable` is False while
+    torch.compile traces and for inference tensors (made under ``torch.inference_mode()``)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: dict = {}  # id -> (tensor, version, value)
+
+    @staticmethod
+    def usable(x) -> bool:
+        return isinstance(x, torch.Tensor) and not torch.compiler.is_compiling() and not x.is_inference()
+
+    def get(self, x):
+        """The value kept for ``x`` (a :meth:`usable` tensor), or None."""
+        kept = self._kept.get(id(x))
+        if kept is not None and kept[0] is x and kept[1] == x._version:
+            return kept[2]
+        return None
+
+    def put(self, x, value) -> None:
+        if len(self._kept) >= self.size:
+            self._kept.clear()
+        self._kept[id(x)] = (x, x._version, value)
+
+
+_SPANS_OF_MASKS = _PerTensorMemo(8)  # a forward has one mask per layer type
 
 
 def _key_spans(attention_mask) -> tuple | None:
@@ -170,20 +199,16 @@ def _key_spans(attention_mask) -> tuple | None:
     make none."""
     if attention_mask is None:
         return None
-    # Not while torch.compile traces, and not for inference tensors (no version counter).
-    keep = (not torch.compiler.is_compiling() and isinstance(attention_mask, torch.Tensor)
-            and not attention_mask.is_inference())
+    keep = _SPANS_OF_MASKS.usable(attention_mask)
     if keep:
-        kept = _SPANS_OF_MASKS.get(id(attention_mask))
-        if kept is not None and kept[0] is attention_mask and kept[1] == attention_mask._version:
-            return kept[2]
+        spans = _SPANS_OF_MASKS.get(attention_mask)
+        if spans is not None:
+            return spans
     if (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int32
             and attention_mask.dim() == 4 and tuple(attention_mask.shape[1:]) == (1, 1, SPAN_FIELDS)):
         spans = _with_columns(attention_mask.view(-1, SPAN_FIELDS))
         if keep:
-            if len(_SPANS_OF_MASKS) >= 8:
-                _SPANS_OF_MASKS.clear()
-            _SPANS_OF_MASKS[id(attention_mask)] = (attention_mask, attention_mask._version, spans)
+            _SPANS_OF_MASKS.put(attention_mask, spans)
         return spans
     what = (f"a {attention_mask.dtype} tensor of shape {tuple(attention_mask.shape)}"
             if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
@@ -286,7 +311,7 @@ def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, variant: dict) -> t
     return out.view(1, total, num_heads, head_dim)
 
 
-_LAST_POSITIONS: dict = {}
+_OFFSETS_OF_POSITIONS = _PerTensorMemo(1)
 
 
 def _packed_offsets(position_ids: torch.Tensor | None):
@@ -296,10 +321,11 @@ def _packed_offsets(position_ids: torch.Tensor | None):
     device-to-host copy per forward (the answer is kept for the same, unmodified tensor)."""
     if position_ids is None or torch.compiler.is_compiling():
         return None, None
-    keep = not position_ids.is_inference()  # an inference tensor has no version counter
-    last = _LAST_POSITIONS.get("key")
-    if keep and last is not None and last[0]() is position_ids and last[1] == position_ids._version:
-        return _LAST_POSITIONS["value"]
+    keep = _OFFSETS_OF_POSITIONS.usable(position_ids)
+    if keep:
+        value = _OFFSETS_OF_POSITIONS.get(position_ids)
+        if value is not None:
+            return value
     positions = position_ids.reshape(-1)
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[1:] = positions[1:] != positions[:-1] + 1
@@ -310,7 +336,7 @@ def _packed_offsets(position_ids: torch.Tensor | None):
         cu = torch.cat((first, first.new_tensor([positions.numel()]))).to(torch.int32)
         value = (cu, int((cu[1:] - cu[:-1]).max()))
     if keep:
-        _LAST_POSITIONS.update(key=(weakref.ref(position_ids), position_ids._version), value=value)
+        _OFFSETS_OF_POSITIONS.put(position_ids, value)
     return value
 
 

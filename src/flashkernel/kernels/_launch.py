@@ -443,7 +443,8 @@ class CallCache:
     replaced, filed under the call's key, with no dispatch or recording of its own launches.
     :meth:`has_family` tells the caller whether any call of a ``base`` was filed (what its
     checks of a new call may rely on); ``notes`` is the caller's to keep what it derives per
-    base (cleared with the replays).
+    base (cleared with the replays, and bounded on its own: a :class:`BoundedNotes` of
+    ``max_entries``).
     """
 
     def __init__(self, max_entries: int = 1024):
