@@ -789,8 +789,11 @@ def test_plans_refuse_other_layouts_and_grads():
         plan.run(q, k_cache, v_cache, k=q[:, :, :2], v=q[:, :, :2])
     with pytest.raises(RuntimeError, match="DecodePlan.run has no backward"):
         plan.run(q.clone().requires_grad_(True), k_cache, v_cache)
-    with torch.no_grad(), pytest.raises(TypeError, match="v_cache"):
-        plan.run(q, k_cache, v_cache.tolist())
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="v_cache must be a torch.Tensor"):
+            plan.run(q, k_cache, v_cache.tolist())
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="q must be a torch.Tensor"):
+            plan.run(q.tolist(), k_cache, v_cache)
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 41"):
         flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens + 11, validate=True)
 
@@ -804,6 +807,9 @@ def test_varlen_plan_runs_each_layer_like_the_function():
         assert torch.equal(plan.run(q, k, v), want)
     with pytest.raises(ValueError, match="make a new plan"):
         plan.run(layers[0][0][:18], layers[0][1], layers[0][2])
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="k must be a torch.Tensor"):
+            plan.run(layers[0][0], layers[0][1].tolist(), layers[0][2])
 
 
 @pytest.mark.gpu
@@ -909,7 +915,8 @@ def test_an_argument_that_is_not_a_tensor_gets_its_error_on_the_eager_path_under
     monkeypatch.setattr(interface, "_eager", lambda tensors: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
-    with torch.no_grad(), pytest.raises(TypeError, match="k"):
+    name = "k_cache" if public == "with_kvcache" else "k"
+    with torch.no_grad(), pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor"):
         if public == "with_kvcache":
             flashkernel.flash_attn_with_kvcache(q, k_cache.tolist(), v_cache, cache_seqlens=seqlens)
         elif public == "func":

@@ -312,7 +312,7 @@ def check_no_grad(op: str, tensors, what: str) -> None:
     if op in _BACKWARD_OPS or not torch.is_grad_enabled():
         return
     for name, t in tensors:
-        if t is not None and t.requires_grad:
+        if getattr(t, "requires_grad", False):  # None or not a tensor (validation names it): no
             raise RuntimeError(
                 f"{what} has no backward, and {name} requires grad: call it under torch.no_grad() or "
                 f"torch.inference_mode(), or pass {name}.detach()")

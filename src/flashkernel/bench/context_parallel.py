@@ -549,15 +549,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_now(code: int) -> None:
-    """Leave without the interpreter's shutdown. Under gloo a rank sometimes aborted after the
-    process group was destroyed and ``main`` had returned ("terminate called without an active
-    exception", no Python frame left: a C++ destructor at exit), failing a run whose results
-    were already written; nothing of the benchmark's needs the shutdown."""
+def _leave(code: int) -> None:
+    """Exit with ``code``; a ``--cpu`` run without the interpreter's shutdown. Under gloo a rank
+    sometimes aborted after the process group was destroyed and ``main`` had returned
+    ("terminate called without an active exception", no Python frame left: a C++ destructor at
+    exit), failing a run whose results were already written. GPU runs exit normally (profilers
+    such as nsys flush their data at exit)."""
+    if CLOCK.cuda:
+        raise SystemExit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 if __name__ == "__main__":
-    _exit_now(main())
+    _leave(main())
