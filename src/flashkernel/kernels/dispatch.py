@@ -19,8 +19,9 @@ lower; a step that appends only at small batches that are not tiny (``gluon_deco
 Triton kernel fuses the append, the Gluon kernel launches it separately); quantized caches too
 where ``DecodeTuning.gluon_quantized`` says so; eager calls keep the Triton kernel, chosen when
 the Gluon kernel's eager launch still encoded its TMA descriptors per call, see docs/perf-notes.md
-"Host TMA descriptors in the C launcher" for the comparison since), else Triton. Naming a backend that cannot run the call raises a ``ValueError`` with the reason
-from :func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
+"Host TMA descriptors in the C launcher" for the comparison since), else Triton. Naming a
+backend that cannot run the call raises a ``ValueError`` with the reason from
+:func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
 
 The environment is read once, at import (:data:`SETTINGS`): ``FLASHKERNEL_GLUON=0`` keeps
 ``"auto"`` on the Triton kernels.
