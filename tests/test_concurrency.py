@@ -165,7 +165,8 @@ def test_two_threads_calling_every_path_at_once_gpu(streams):
 def test_graph_capture_beside_eager_calls_in_another_thread_gpu():
     """One thread captures a decode step and a prefill in a CUDA graph (thread-local capture)
     while another keeps calling every path eagerly: the eager results stay exact, and the
-    graph's replays equal eager calls of the same backend."""
+    graph's replays equal eager calls of the same backend (the split decode step's up to its
+    merge's rounding: eager and captured steps merge their splits in different kernels)."""
     calls = workloads()
     want = {name: bits(call()) for name, call in calls.items()}
     torch.cuda.synchronize()
@@ -202,7 +203,11 @@ def test_graph_capture_beside_eager_calls_in_another_thread_gpu():
         q.copy_(randn(*q.shape))
         graph.replay()
         torch.cuda.synchronize()
-        assert same_bits(static, captured())
+        (decode_static, prefill_static), (decode_eager, prefill_eager) = static, captured()
+        assert same_bits(prefill_static, prefill_eager)
+        # A captured split step merges its splits in a combine launch, an eager one in the decode
+        # kernel (kernels/decode.py, merges_in_kernel): equal up to the merge's float32 rounding.
+        torch.testing.assert_close(decode_static, decode_eager, rtol=0, atol=4e-3)
     stop.set()
     thread.join()
     assert not failures, sorted(set(failures))

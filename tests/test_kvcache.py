@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashkernel
-from flashkernel import interface, reference
+from flashkernel import interface, ops, reference
 from flashkernel.kernels import combine as combine_module
 from flashkernel.kernels import decode, dispatch, tuning
 from flashkernel.kernels._softmax import Variant
@@ -246,10 +246,69 @@ def test_identical_calls_are_bitwise_identical():
     assert torch.equal(a, b) and torch.equal(lse_a, lse_b)
 
 
-def test_nan_workspace_is_never_read_unwritten():
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["merged_in_kernel", "combine"])
+def test_nan_workspace_is_never_read_unwritten(monkeypatch, in_kernel):
     """Split partials start as NaN (conftest poisons every allocation of a call): every element
-    combine reads must have been written."""
+    the merge reads (in the decode kernel or in combine) must have been written."""
+    if not in_kernel:
+        _merge_in_kernel_at_most(monkeypatch, 0)
     run_and_check((0, 5, 150), 2, (8, 2), 64, torch.float16, 16, num_splits=6)
+
+
+def _merge_in_kernel_at_most(monkeypatch, max_bytes: int) -> None:
+    """Let the decode kernel merge its splits only for steps that read at most ``max_bytes``
+    (recorded calls forgotten: they were planned with the other setting)."""
+    tuned = tuning.decode_tuning(torch.device(DEVICE) if DEVICE == "cuda" else None)
+    monkeypatch.setattr(decode.tuning, "decode_tuning",
+                        lambda device: dataclasses.replace(tuned, merge_in_kernel_max_bytes=max_bytes))
+    interface._EAGER_CALLS.clear()
+    ops._OP_CALLS.clear()
+
+
+@pytest.mark.parametrize("case", [
+    dict(lengths=(0, 37, 150), seqlen_new=1, heads=(8, 2), head_dim=64, num_splits=5),
+    dict(lengths=(90,), seqlen_new=3, heads=(12, 2), head_dim=32, num_splits=7),  # 18 rows: five rounds of 4
+    dict(lengths=(40,), seqlen_new=5, heads=(32, 1), head_dim=32, num_splits=3),  # 160 rows: two row tiles
+    dict(lengths=(200, 3), seqlen_new=2, heads=(4, 4), head_dim=128, num_splits=20),  # two chunks of splits
+], ids=["gqa4", "rows_in_rounds", "two_row_tiles", "chunks"])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_splits_merged_in_the_kernel_equal_the_combine_launch(monkeypatch, case, page_size):
+    """The same split step merged by the decode kernel's last program per row tile and by the
+    combine launch: one launch against two, equal outputs and LSEs up to float32 rounding (the
+    sums run in another order), and the counters left at zero for the next launch."""
+    k_cache, v_cache, block_table = make_cache(case["lengths"], case["seqlen_new"], case["heads"][1],
+                                               case["head_dim"], torch.float16, page_size)
+    q = torch.randn(len(case["lengths"]), case["seqlen_new"], case["heads"][0], case["head_dim"],
+                    dtype=torch.float16, device=DEVICE)
+    seqlens = torch.tensor(case["lengths"], dtype=torch.int32, device=DEVICE)
+    launches, counters = [], []
+    real_combine, real_allocate = decode.combine, decode.allocate
+
+    def counted_combine(*args, **kwargs):
+        launches.append("combine")
+        return real_combine(*args, **kwargs)
+
+    def kept_allocate(shape, dtype, device, zeroed=False):
+        buffer = real_allocate(shape, dtype, device, zeroed=zeroed)
+        if zeroed:
+            counters.append(buffer)
+        return buffer
+
+    monkeypatch.setattr(decode, "combine", counted_combine)
+    monkeypatch.setattr(decode, "allocate", kept_allocate)
+    results = {}
+    for max_bytes in (1 << 40, 0):
+        _merge_in_kernel_at_most(monkeypatch, max_bytes)
+        launches.clear()
+        results[max_bytes] = decode_results = flashkernel.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table, num_splits=case["num_splits"],
+            return_lse=True, backend="triton")
+        assert launches == ([] if max_bytes else ["combine"])
+        assert not torch.isnan(decode_results[0]).any()
+    assert len(counters) == 1 and not counters[0].any(), "the counters must be left at zero"
+    merged, combined = results[1 << 40], results[0]
+    torch.testing.assert_close(merged[0], combined[0], rtol=0, atol=2e-3)
+    torch.testing.assert_close(merged[1], combined[1], rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
 def test_return_lse_false_returns_tensor_only():

@@ -515,9 +515,9 @@ class _Returning:
 
 
 def _captured_decode(monkeypatch, length, window, **kwargs):
-    """Everything ``decode_forward`` hands to its launches and allocations for a ``[2, length, 2,
-    32]`` contiguous cache (passed transposed): ``(decode arguments, grid and options, combine
-    arguments, allocations)``, and the caches."""
+    """Everything ``decode_forward`` hands to its launch and allocations for a ``[2, length, 2,
+    32]`` contiguous cache (passed transposed): ``(decode arguments, grid and options,
+    allocations)``, and the caches."""
     from flashkernel.kernels import decode
 
     seen = {}
@@ -527,14 +527,12 @@ def _captured_decode(monkeypatch, length, window, **kwargs):
         seen["decode"] = list(args + tuple(named[name] for name in names[len(args):]))
         seen["launch"] = (grid, num_warps, num_stages, {k: v for k, v in named.items() if k not in names})
 
-    def allocate(shape, dtype, device):
-        seen.setdefault("allocations", []).append((tuple(shape), dtype))
+    def allocate(shape, dtype, device, zeroed=False):
+        seen.setdefault("allocations", []).append((tuple(shape), dtype, zeroed))
         return torch.empty(shape, dtype=dtype, device=device)
 
     monkeypatch.setattr(decode, "_launch_decode", capture)
     monkeypatch.setattr(decode, "allocate", allocate)
-    monkeypatch.setattr(decode, "combine", lambda parts, lse_parts, out, lse, **k: seen.update(
-        combine=(parts.shape, parts.stride(), lse_parts.shape, lse_parts.stride(), k)))
     q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
     k_cache = torch.randn(2, 2, length, 32, dtype=torch.float16, device=DEVICE).transpose(1, 2)
     v_cache = torch.randn_like(k_cache)
@@ -548,8 +546,8 @@ def _captured_decode(monkeypatch, length, window, **kwargs):
 @pytest.mark.parametrize("num_splits", [0, 3])
 def test_only_the_length_arguments_follow_a_contiguous_caches_length(monkeypatch, window, num_splits):
     """Two lengths of one cache: ``decode.length_arguments`` is what the decode launch takes at
-    ``LENGTH_ARGUMENTS``, and every other argument, the grid and options, the combine's arguments
-    and the allocations are the same (what a rebound replay relies on)."""
+    ``LENGTH_ARGUMENTS``, and every other argument (the in-kernel merge's included), the grid and
+    options and the allocations are the same (what a rebound replay relies on)."""
     from flashkernel.kernels import decode
 
     variant = decode.Variant.of(True, window, 0.0, None, None)
@@ -575,7 +573,7 @@ def test_only_the_length_arguments_follow_a_contiguous_caches_length(monkeypatch
         first["decode"][i] = second["decode"][i] = None
     assert first["decode"] == second["decode"]
     assert first["launch"] == second["launch"]
-    assert first.get("combine") == second.get("combine") and ("combine" in first) == (num_splits > 1)
+    assert first["decode"][decode._decode_kernel.arg_names.index("MERGE")] == (num_splits > 1)
     assert first.get("allocations") == second.get("allocations")
 
 

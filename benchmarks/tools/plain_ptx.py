@@ -114,7 +114,9 @@ def as_current(values: dict, decode: bool) -> dict:
         current.update(Starts="*i32", seqlens_stride="i32", sink_stride="i32", start_stride="i32", HAS_START=False,
                        KScale=values["Q"], VScale=values["Q"], ks_strides=("i32",) * 3, vs_strides=("i32",) * 3,
                        KV_SCALE=0, KNew=values["Q"], VNew=values["Q"], knew_strides=("i32",) * 3,
-                       vnew_strides=("i32",) * 3, APPEND=False, _unit_strides=DECODE_UNIT)
+                       vnew_strides=("i32",) * 3, APPEND=False, Final=values["Q"], FinalLse=values["Q"],
+                       Counters="*i32", final_strides=("i32",) * 3, final_lse_strides=("i32",) * 3,
+                       MERGE=False, MERGE_LSE=False, BLOCK_S=1, _unit_strides=DECODE_UNIT)
     else:
         current.update(CuSeqlensQ=values["Q"], CuSeqlensK=values["Q"], sink_stride="i32", num_seqs=1,
                        IS_VARLEN=False, BLOCK_B=1)

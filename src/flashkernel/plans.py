@@ -73,7 +73,7 @@ class _Plan:
         self._extents = tuple(None if x is None else _extent(x) for x in examples)
         self._kept_spans = ()
         self._key = layouts(examples)
-        self._calls = CallCache(max_entries=1)
+        self._calls = CallCache(max_entries=2)  # recorded eagerly and under CUDA-graph capture
 
     def _keep(self, names, tensors) -> None:
         """Note the tensors the plan holds for every run (lengths, tables, slopes, sinks): their
@@ -123,9 +123,12 @@ class _Plan:
             # Another alignment or shared addresses, an output the replay cannot write, the CPU,
             # or a trace: the full path.
             return _into(out, call())
-        replay = self._calls.get(0)
+        # Capture is part of the key, as for every recorded call: dispatch may choose other
+        # launches under capture (e.g. a split step's merge, kernels/decode.py merges_in_kernel).
+        capturing = torch.cuda.is_current_stream_capturing()
+        replay = self._calls.get(capturing)
         if replay is None:
-            return _into(out, self._calls.run(0, inputs, call))
+            return _into(out, self._calls.run(capturing, inputs, call))
         if out is None:
             return replay.run(inputs, reuse_scratch=True)
         results = replay.run(inputs, reuse_scratch=True, outputs=(out,))

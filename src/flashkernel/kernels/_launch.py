@@ -114,13 +114,21 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def allocate(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """:func:`empty` for a call's outputs and temporaries; recorded while a recording is on."""
-    out = empty(shape, dtype, device)
+def allocate(shape, dtype: torch.dtype, device, zeroed: bool = False) -> torch.Tensor:
+    """:func:`empty` for a call's outputs and temporaries; recorded while a recording is on.
+    ``zeroed``: filled with zeros, for a temporary that the kernels using it leave at zero when
+    they end (e.g. counters), so that a replay keeping it per stream zeroes it only once."""
+    out = _fresh(shape, dtype, device, zeroed)
     rec = _recorder()
     if rec is not None:
+        if zeroed:
+            rec.zeroed.add(len(rec.allocations))
         rec.allocations.append(out)
     return out
+
+
+def _fresh(shape, dtype: torch.dtype, device, zeroed: bool) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device) if zeroed else empty(shape, dtype, device)
 
 
 def spoil_recording() -> None:
@@ -161,6 +169,7 @@ class Recorder:
         self.inputs = tuple(inputs)
         self.launches: list = []
         self.allocations: list[torch.Tensor] = []
+        self.zeroed: set[int] = set()  # indices of allocations made zeroed
         self.spoiled = not FAST_LAUNCH
         self.refusal = None  # why finish() gave no replay
         self._outer = None
@@ -227,10 +236,12 @@ class Replay:
         alloc_ids = {id(t): i for i, t in enumerate(rec.allocations)}
         if any(o is not None and id(o) not in alloc_ids for o in outputs):
             raise _NotReplayable("an output was not made by allocate()")  # zeros, a copy
-        self.allocations = tuple((tuple(t.shape), t.dtype, t.device) for t in rec.allocations)
+        self.allocations = tuple((tuple(t.shape), t.dtype, t.device, i in rec.zeroed)
+                                 for i, t in enumerate(rec.allocations))
         self.num_inputs = len(inputs)
         # Temporaries (allocations that are not outputs, e.g. split-KV partials): reusable per
-        # stream by eager callers (``run(..., reuse_scratch=True)``), one run at a time.
+        # stream by eager callers (``run(..., reuse_scratch=True)``), one run at a time. Zeroed
+        # ones are zeroed when allocated: the kernels that use them leave them at zero.
         self._scratch_by_stream: dict[int, list] = {}
         self._scratch_lock = threading.Lock()
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
@@ -343,18 +354,18 @@ class Replay:
 
     def _allocate(self, stream: int, reuse_scratch: bool, given) -> list:
         if not (reuse_scratch and self.scratch) or torch.cuda.is_current_stream_capturing():
-            kept = [empty(*self.allocations[i]) for i in self.scratch]
+            kept = [_fresh(*self.allocations[i]) for i in self.scratch]
         else:
             kept = self._scratch_by_stream.get(stream)
             if kept is None:
-                kept = self._scratch_by_stream[stream] = [empty(*self.allocations[i]) for i in self.scratch]
+                kept = self._scratch_by_stream[stream] = [_fresh(*self.allocations[i]) for i in self.scratch]
         allocated = [None] * len(self.allocations)
         for i, buffer in zip(self.scratch, kept):
             allocated[i] = buffer
         given = given or ()
         for i, j in enumerate(self.outputs):
             if j is not None:
-                allocated[j] = given[i] if i < len(given) and given[i] is not None else empty(*self.allocations[j])
+                allocated[j] = given[i] if i < len(given) and given[i] is not None else _fresh(*self.allocations[j])
         return allocated
 
     def _run(self, inputs, reuse_scratch: bool, outputs):

@@ -1,23 +1,25 @@
 """Decode over a KV cache in Triton: a few new query tokens per sequence attend to a long cache.
 
-Two kernels, launched in this order by :func:`decode_forward`:
+One launch per step (two for some split steps, below): ``_decode_kernel`` (:func:`decode_forward`)
+runs one program per ``(batch, kv_head, row tile, split)``. All ``group = Hq // Hkv`` query heads of one KV head, times the
+``T`` new tokens, form one tile of ``group * T`` rows (row ``r`` is token ``r // group`` of
+query head ``kv_head * group + r % group``), padded to >= 16 rows for ``tl.dot``. So every K/V
+byte is read once per step, not once per query head. The context ``[0, L)`` of a sequence is
+cut into ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program streams one run and writes
+a normalized partial output and its log-sum-exp (float32) to a workspace. The splits are merged
+exactly by log-sum-exp: in an eager call of a short step, by the last program of each row tile
+to finish (an atomic count per row tile, :func:`_last_split_merges`), so no launch follows;
+otherwise (under CUDA-graph capture, or a step that reads more than the tuning's
+``merge_in_kernel_max_bytes``: GPU time decides there) by ``kernels/combine.py`` in a second
+launch (:func:`merges_in_kernel`). With one split the program writes the final output directly.
 
-1. ``_decode_kernel``: one program per ``(batch, kv_head, row tile, split)``. All
-   ``group = Hq // Hkv`` query heads of one KV head, times the ``T`` new tokens, form one tile
-   of ``group * T`` rows (row ``r`` is token ``r // group`` of query head
-   ``kv_head * group + r % group``), padded to >= 16 rows for ``tl.dot``. So every K/V byte is
-   read once per step, not once per query head. The context ``[0, L)`` of a sequence is cut
-   into ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program streams one run and
-   writes a normalized partial output and its log-sum-exp (float32) to a workspace.
-   With new ``k, v [B, T, Hkv, D]`` (``APPEND``), each program first writes into the cache, in
-   place, the new tokens that fall in the key tiles it will read (positions ``cache_seqlens[b]
-   .. cache_seqlens[b] + T - 1``, through the block table when paged; ``cache_seqlens`` itself
-   is not modified) and passes a CTA barrier (:func:`_append_tile_tokens`). Every key a program
-   reads is then one it wrote or one that was in the cache before: the append needs no launch
-   of its own. ``_append_kernel`` makes the same writes as a kernel of their own, for the Gluon
-   decode kernel and :func:`append_kv`.
-2. ``combine`` (``kernels/combine.py``) merges the splits exactly by log-sum-exp. With one
-   split the decode kernel writes the final output directly and nothing else runs.
+With new ``k, v [B, T, Hkv, D]`` (``APPEND``), each program first writes into the cache, in
+place, the new tokens that fall in the key tiles it will read (positions ``cache_seqlens[b] ..
+cache_seqlens[b] + T - 1``, through the block table when paged; ``cache_seqlens`` itself is not
+modified) and passes a CTA barrier (:func:`_append_tile_tokens`). Every key a program reads is
+then one it wrote or one that was in the cache before: the append needs no launch of its own.
+``_append_kernel`` makes the same writes as a kernel of their own, for the Gluon decode kernel
+and :func:`append_kv`.
 
 Cache layouts (``PAGE_SIZE`` constexpr): contiguous ``[B, S_max, Hkv, D]`` (``PAGE_SIZE`` 0)
 or paged ``[num_blocks, page_size, Hkv, D]`` with ``block_table [B, max_blocks]`` int32: key
@@ -34,7 +36,7 @@ holds the score modifiers): a window is aligned to each sequence's end (new toke
 position ``L - T + t``), and the splits share out only the window's span of tiles, so a step
 reads about ``left + T`` keys whatever ``L``. Softcap and ALiBi modify the scores of each row
 (ALiBi's slope is the row's query head's). A sink starts split 0's running max and sum, so the
-combine counts it exactly once. A per-sequence key start (``HAS_START``, ``cache_leftpad``)
+merge counts it exactly once. A per-sequence key start (``HAS_START``, ``cache_leftpad``)
 makes sequence ``b`` attend cache positions ``[start_b, L)``: the kernel works in positions
 relative to the start (masks and ALiBi depend only on differences of positions) and adds it
 back when it addresses the cache, so the splits share out only the keys that exist.
@@ -86,6 +88,7 @@ LOG2E = math.log2(math.e)
 # accumulator of BLOCK_M x D must fit in registers), and the append kernel's tile.
 MAX_TILE_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}
 APPEND_TILE_ELEMENTS = 4096
+MERGE_ELEMENTS = 2048  # splits x head dim of a row in flight at once in the in-kernel merge (four rows at a time)
 _APPEND_ELEMENTS = tl.constexpr(1024)  # new tokens x head dim per step of a decode program's fused append
 INTERPRETER_CONFIG = DecodeConfig(32, 4, 1)
 INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; a small count still exercises splitting
@@ -355,9 +358,95 @@ def _store_rows(
         tl.store(l_ptrs, lse, mask=row_ok)
 
 
+
+@triton.jit
+def _last_split_merges(
+    Out, Lse, Final, FinalLse, Counters, num_splits, num_row_tiles, num_kv_heads, group, seqlen_new,
+    stride_os, stride_ob, stride_ot, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lt,
+    stride_fb, stride_ft, stride_fh, stride_flb, stride_flh, stride_flt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """After a program has stored its split's partial rows: the last of the ``num_splits``
+    programs of its row tile to finish merges every split's rows into ``Final`` (and
+    ``FinalLse``) by log-sum-exp, as ``combine.py`` does, in split order (so the result does not
+    depend on which program came last), and sets the tile's counter back to 0 for the next launch.
+
+    ``Counters[counter]`` counts the finished splits (int32, zero before the launch). The barrier
+    puts every thread's stores before the count's release; the program that sees the count reach
+    ``num_splits - 1`` acquires the other programs' stores and reads them from L2 (``.cg``). No
+    program waits for another, so any number of programs may be resident at once.
+
+    Only the rows of the tile that exist are merged (GQA 4 fills 4 rows of a 16-row tile), as
+    ``[4, BLOCK_D]`` tiles (a row per warp): the splits are folded in one after another with a
+    running max, so nothing is reduced across threads, and the ``BLOCK_S`` splits of a chunk are
+    unrolled with no store between their loads, so they are all in flight at once (each split
+    stores all its rows, zeros and lse -inf where it saw no key: no load waits for a weight).
+    The program's indices are derived again from its id here, not kept live across the key loop.
+    """
+    pid = tl.program_id(0)
+    row_tile = pid % num_row_tiles
+    rest = pid // num_row_tiles
+    counter = (rest // num_splits) * num_row_tiles + row_tile
+    rest = rest // num_splits
+    kv_head = rest % num_kv_heads
+    batch = (rest // num_kv_heads).to(tl.int64)
+    tl.debug_barrier()
+    finished = tl.atomic_add(Counters + counter, 1, sem="acq_rel", scope="gpu")
+    if finished == num_splits - 1:
+        rows = tl.minimum(group * seqlen_new - row_tile * BLOCK_M, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        for r0 in range(0, rows, 4):
+            r = r0 + tl.arange(0, 4)
+            row_ok = r < rows
+            offs_r = row_tile * BLOCK_M + r
+            token = (offs_r // group).to(tl.int64)
+            head = (kv_head * group + offs_r % group).to(tl.int64)
+            parts = Out + (batch * stride_ob + token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+            lses = Lse + batch * stride_lb + head * stride_lh + token * stride_lt
+            m = tl.full([4], float("-inf"), dtype=tl.float32)
+            total = tl.zeros([4], dtype=tl.float32)
+            acc = tl.zeros([4, BLOCK_D], dtype=tl.float32)
+            for s0 in range(0, num_splits, BLOCK_S):
+                # Every load of the chunk first (no store between them: all in flight at once).
+                lse_of = ()
+                part_of = ()
+                for j in tl.static_range(BLOCK_S):
+                    split = tl.cast(s0 + j, tl.int64)
+                    ok = row_ok & (split < num_splits)
+                    lse_of = lse_of + (tl.load(lses + split * stride_ls, mask=ok, other=float("-inf"),
+                                               cache_modifier=".cg"),)
+                    part_of = part_of + (tl.load(parts + split * stride_os,
+                                                 mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
+                                                 cache_modifier=".cg"),)
+                m_new = m
+                for j in tl.static_range(BLOCK_S):
+                    m_new = tl.maximum(m_new, lse_of[j] * 1.4426950408889634)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m - m_safe)
+                acc = acc * alpha[:, None]
+                total = total * alpha
+                for j in tl.static_range(BLOCK_S):
+                    # A split that saw no key has weight 0 and rows of zeros (never NaN: written).
+                    w = tl.math.exp2(lse_of[j] * 1.4426950408889634 - m_safe)
+                    acc += w[:, None] * part_of[j]
+                    total += w
+                m = m_new
+            total_safe = tl.where(total == 0.0, 1.0, total)
+            final = Final + (batch * stride_fb + token * stride_ft + head * stride_fh)[:, None] + offs_d[None, :]
+            tl.store(final, (acc / total_safe[:, None]).to(Final.dtype.element_ty),
+                     mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+            if WRITE_LSE:
+                lse = tl.where(total == 0.0, float("-inf"), (m + tl.math.log2(total_safe)) / 1.4426950408889634)
+                tl.store(FinalLse + batch * stride_flb + head * stride_flh + token * stride_flt, lse, mask=row_ok)
+        tl.store(Counters + counter, 0)
+
+
 @triton.jit
 def _decode_program(
     Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts, KNew, VNew,
+    Final, FinalLse, Counters,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -368,6 +457,7 @@ def _decode_program(
     stride_ls, stride_lb, stride_lh, stride_lt,
     stride_ab, stride_ah, stride_sh, stride_st,
     stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh,
+    stride_fb, stride_ft, stride_fh, stride_flb, stride_flh, stride_flt,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
@@ -377,6 +467,7 @@ def _decode_program(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr, KV_SCALE: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, APPEND: tl.constexpr,
+    MERGE: tl.constexpr, MERGE_LSE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Program id -> (batch, kv_head, split, row tile), row tile fastest, in one grid axis.
     pid = tl.program_id(0)
@@ -467,7 +558,7 @@ def _decode_program(
         alibi_rows = 0.0
     if HAS_SINKS:
         # The sink joins the denominator once: split 0 starts from max = sink, sum = 1; the
-        # other splits start empty, and the combine merges them exactly.
+        # other splits start empty, and the merge counts it exactly once.
         sink = tl.load(Sinks + row_head.to(tl.int64) * stride_sh).to(tl.float32) * 1.4426950408889634
         m_i = tl.where(split == 0, sink, float("-inf"))
         l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -519,6 +610,14 @@ def _decode_program(
         stride_ls, stride_lb, stride_lh, stride_lt,
         HEAD_DIM, WRITE_LSE,
     )
+    if MERGE:
+        _last_split_merges(
+            Out, Lse, Final, FinalLse, Counters, num_splits, num_row_tiles, num_kv_heads, group, seqlen_new,
+            stride_os, stride_ob, stride_ot, stride_oh,
+            stride_ls, stride_lb, stride_lh, stride_lt,
+            stride_fb, stride_ft, stride_fh, stride_flb, stride_flh, stride_flt,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_S, MERGE_LSE,
+        )
 
 
 # One kernel for every call: each feature is a constexpr, so a plain call compiles none of the
@@ -527,8 +626,10 @@ def _decode_program(
 @triton.jit(do_not_specialize=["window_left", "window_right"])
 def _decode_kernel(
     Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts, KNew, VNew,
+    Final, FinalLse, Counters,
     q_strides, k_strides, v_strides, ks_strides, vs_strides, bt_strides, seqlens_stride,
     o_strides, lse_strides, alibi_strides, sink_stride, start_stride, knew_strides, vnew_strides,
+    final_strides, final_lse_strides,
     seqlen_new, appended, capacity, num_blocks,
     num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
     window_left, window_right, softcap_in, softcap_out,
@@ -538,15 +639,20 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_START: tl.constexpr, KV_SCALE: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, APPEND: tl.constexpr = False,
+    MERGE: tl.constexpr = False, MERGE_LSE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
 ):
     """Grid ``(B * Hkv * splits * row tiles,)``. Strides: ``q (b, t, h)``, caches and their
     scales ``(block or b, slot, h)`` (scales: 0 where the granularity has no such axis), block
     table ``(b, column)``, outputs ``(split, b, t, h)``, LSE ``(split, b, h, t)``, ALiBi ``(b,
     h)``, new keys/values ``(b, t, h)``. ``KV_SCALE``: 0 a cache in q's dtype, 1 a quantized
     cache with a scale per KV head (or per tensor), 2 per token and KV head. ``APPEND``: write
-    ``KNew``/``VNew`` into the cache first (:func:`_append_tile_tokens`)."""
+    ``KNew``/``VNew`` into the cache first (:func:`_append_tile_tokens`). ``MERGE``: ``Out`` and
+    ``Lse`` are split partials that the last split of each row tile merges into ``Final (b, t,
+    h)`` (and, with ``MERGE_LSE``, ``FinalLse (b, h, t)``), ``BLOCK_S`` splits at a time, counting
+    in ``Counters [B * Hkv * row tiles]`` int32 (zeros before the launch; left at zero)."""
     _decode_program(
         Q, K, V, KScale, VScale, BlockTable, SeqLens, Out, Lse, Slopes, Sinks, Starts, KNew, VNew,
+        Final, FinalLse, Counters,
         q_strides[0], q_strides[1], q_strides[2],
         k_strides[0], k_strides[1], k_strides[2],
         v_strides[0], v_strides[1], v_strides[2],
@@ -557,12 +663,14 @@ def _decode_kernel(
         lse_strides[0], lse_strides[1], lse_strides[2], lse_strides[3],
         alibi_strides[0], alibi_strides[1], sink_stride, start_stride,
         knew_strides[0], knew_strides[1], knew_strides[2], vnew_strides[0], vnew_strides[1], vnew_strides[2],
+        final_strides[0], final_strides[1], final_strides[2],
+        final_lse_strides[0], final_lse_strides[1], final_lse_strides[2],
         seqlen_new, appended, capacity, num_blocks,
         num_kv_heads, group, num_row_tiles, num_splits, qk_scale,
         window_left, window_right, softcap_in, softcap_out,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, CAUSAL, WRITE_LSE,
         HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_START, KV_SCALE,
-        DOT_F32, DOT_PRECISION, APPEND,
+        DOT_F32, DOT_PRECISION, APPEND, MERGE, MERGE_LSE, BLOCK_S,
     )
 
 
@@ -1001,7 +1109,8 @@ def append_kv(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scal
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
     """What :func:`decode_forward` decides from shapes alone: the tile config, the row tiles,
-    the split count and the grid of the decode kernel."""
+    the split count, the grid of the decode kernel, and whether the kernel merges its splits
+    itself (:func:`merges_in_kernel`) or ``combine`` does."""
 
     config: DecodeConfig
     group: int  # query heads per KV head
@@ -1010,6 +1119,7 @@ class DecodeLaunch:
     num_splits: int
     num_warps: int
     grid: tuple[int]
+    merge: bool = False
 
 
 def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, variant: Variant, num_splits: int,
@@ -1043,8 +1153,26 @@ def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, var
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms, geometry.page_size,
                             head_dim, waves_for(geometry.page_size, programs, span, sms, tuned, quantized), tuned,
                             kv_scale)
+    capturing = q.is_cuda and not interpreted and torch.cuda.is_current_stream_capturing()
+    merge = merges_in_kernel(num_splits, batch * num_kv_heads * head_dim * q.element_size(), span, tuned, capturing)
     return DecodeLaunch(config, group, block_m, num_row_tiles, num_splits, _warps_for(config, block_m, head_dim),
-                      (programs * num_splits,))
+                        (programs * num_splits,), merge)
+
+
+def merges_in_kernel(num_splits: int, bytes_per_key: int, span: int, tuned: DecodeTuning, capturing: bool) -> bool:
+    """Whether the decode kernel merges its splits itself (the last program of each row tile,
+    :func:`_last_split_merges`) rather than a ``combine`` launch after it: for calls not under
+    CUDA-graph capture whose step reads at most ``tuned.merge_in_kernel_max_bytes`` of K and V
+    (``span`` keys of ``bytes_per_key`` each, q's dtype: an upper bound for 1-byte caches).
+    Those are host-bound, and a launch less took 1.2-2.6 us off an eager call on the H200; the
+    in-kernel merge cost up to ~1 us more GPU time than the combine launch there (up to 1.8 us
+    at 33 splits; docs/perf-notes.md, "The splits merged in the decode kernel"), so GPU-bound
+    steps and every step under capture keep the combine. The span is rounded up to :func:`plan_span_step` keys, so the choice,
+    like the rest of the plan, depends on a contiguous cache's capacity only through it."""
+    if num_splits == 1 or capturing:
+        return False
+    step = plan_span_step(tuned)
+    return cdiv(span, step) * step * 2 * bytes_per_key <= tuned.merge_in_kernel_max_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -1146,6 +1274,9 @@ def decode_forward(
     _, vs_strides = scale_args(v_scale)
     v_operand = value_operand(v_cache, kv_scale != 0)
     append = k_new is not None
+    merge = plan.merge
+    if merge:  # the last split of each row tile merges them (_last_split_merges): no combine launch
+        counters = allocate((plan.grid[0] // num_splits,), torch.int32, q.device, zeroed=True)
     # Arguments named in LENGTH_ARGUMENTS are rebound by rebind_lengths: change them together.
     _launch_decode(
         plan.grid,
@@ -1153,21 +1284,25 @@ def decode_forward(
         bt, cache_seqlens, target, target_lse if target_lse is not None else target,
         mods.pop("Slopes"), mods.pop("Sinks"), cache_leftpad if cache_leftpad is not None else cache_seqlens,
         k_new if append else q, v_new if append else q,
+        out, lse if lse is not None and merge else out, counters if merge else cache_seqlens,
         _strides3(q), _strides3(k_cache), _strides3(v_operand), ks_strides, vs_strides, bt_strides,
         cache_seqlens.stride(0),
         o_strides, l_strides, mods.pop("alibi_strides"), mods.pop("sink_stride"),
         cache_leftpad.stride(0) if cache_leftpad is not None else 0,
         _strides3(k_new) if append else (0, 0, 0), _strides3(v_new) if append else (0, 0, 0),
+        _strides3(out), tuple(lse.stride()) if lse is not None and merge else (0, 0, 0),
         seqlen_new=seqlen_new, appended=appended, capacity=geometry.capacity, num_blocks=geometry.num_blocks,
         num_kv_heads=k_cache.shape[2], group=plan.group, num_row_tiles=plan.num_row_tiles, num_splits=num_splits,
         qk_scale=softmax_scale * LOG2E,
         HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
         BLOCK_M=plan.block_m, BLOCK_N=plan.config.block_n, PAGE_SIZE=geometry.page_size,
         WRITE_LSE=target_lse is not None, HAS_START=cache_leftpad is not None, KV_SCALE=kv_scale,
-        APPEND=append, num_warps=plan.num_warps, num_stages=plan.config.num_stages,
+        APPEND=append, MERGE=merge, MERGE_LSE=merge and lse is not None,
+        BLOCK_S=min(next_power_of_2(num_splits), max(1, MERGE_ELEMENTS // padded_head_dim(q.shape[3]))),
+        num_warps=plan.num_warps, num_stages=plan.config.num_stages,
         **mods, **dot_flags(q.dtype, interpreted), **exponent_options(softmax_scale),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         combine(target, target_lse, out, lse, softmax_scale=softmax_scale)
 
 

@@ -243,7 +243,8 @@ class DecodeTuning:
     pages: not measured) ``quantized_contiguous_waves``; each split gets at least
     ``min_split_tokens`` of the capacity where the short-context rules were measured (bf16/fp16,
     head dim <= 128), ``unmeasured_min_split_tokens`` elsewhere, and at most
-    ``max_auto_splits`` splits; splits of at most ``short_split_tokens`` keys use
+    ``max_auto_splits`` splits; eager steps that read at most ``merge_in_kernel_max_bytes`` of K
+    and V merge their splits in the decode kernel (``decode.merges_in_kernel``); splits of at most ``short_split_tokens`` keys use
     ``short_block_n``-key tiles; grids of more than a wave whose programs read at most
     ``multi_wave_max_tokens`` keys (or read small pages) use ``multi_wave_config``; before that
     rule, over 1-byte caches (scales per tensor or head, head dim 128, contiguous or small pages)
@@ -273,6 +274,7 @@ class DecodeTuning:
     multi_wave_max_tokens: int
     multi_wave_config: DecodeConfig
     max_auto_splits: int
+    merge_in_kernel_max_bytes: int
     gluon_head_dims: tuple
     gluon_max_item_tokens: int
     gluon_append_max_batch: int
@@ -318,6 +320,7 @@ class DecodeTuning:
             multi_wave_max_tokens=rules["multi_wave_max_tokens"],
             multi_wave_config=DecodeConfig(*rules["multi_wave_config"]),
             max_auto_splits=rules["max_auto_splits"],
+            merge_in_kernel_max_bytes=rules["merge_in_kernel_max_bytes"],
             gluon_head_dims=tuple(gluon_part["head_dims"]), gluon_max_item_tokens=gluon_part["max_item_tokens"],
             gluon_append_max_batch=gluon_part["append_max_batch"],
             gluon_append_min_batch_tokens=gluon_part["append_min_batch_tokens"],
