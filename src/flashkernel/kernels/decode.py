@@ -1,9 +1,10 @@
 """Decode over a KV cache in Triton: a few new query tokens per sequence attend to a long cache.
 
 One launch per step (two for some split steps, below): ``_decode_kernel`` (:func:`decode_forward`)
-runs one program per ``(batch, kv_head, row tile, split)``. All ``group = Hq // Hkv`` query heads of one KV head, times the
-``T`` new tokens, form one tile of ``group * T`` rows (row ``r`` is token ``r // group`` of
-query head ``kv_head * group + r % group``), padded to >= 16 rows for ``tl.dot``. So every K/V
+runs one program per ``(batch, kv_head, row tile, split)``. All ``group = Hq // Hkv`` query heads
+of one KV head, times the ``T`` new tokens, form one tile of ``group * T`` rows (row ``r`` is
+token ``r // group`` of query head ``kv_head * group + r % group``), padded to >= 16 rows for
+``tl.dot``. So every K/V
 byte is read once per step, not once per query head. The context ``[0, L)`` of a sequence is
 cut into ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program streams one run and writes
 a normalized partial output and its log-sum-exp (float32) to a workspace. The splits are merged
@@ -356,7 +357,6 @@ def _store_rows(
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
         l_ptrs = Lse + split * stride_ls + batch * stride_lb + head * stride_lh + token * stride_lt
         tl.store(l_ptrs, lse, mask=row_ok)
-
 
 
 @triton.jit
@@ -1167,8 +1167,9 @@ def merges_in_kernel(num_splits: int, bytes_per_key: int, span: int, tuned: Deco
     Those are host-bound, and a launch less took 1.2-2.6 us off an eager call on the H200; the
     in-kernel merge cost up to ~1 us more GPU time than the combine launch there (up to 1.8 us
     at 33 splits; docs/perf-notes.md, "The splits merged in the decode kernel"), so GPU-bound
-    steps and every step under capture keep the combine. The span is rounded up to :func:`plan_span_step` keys, so the choice,
-    like the rest of the plan, depends on a contiguous cache's capacity only through it."""
+    steps and every step under capture keep the combine. The span is rounded up to
+    :func:`plan_span_step` keys, so the choice, like the rest of the plan, depends on a
+    contiguous cache's capacity only through it."""
     if num_splits == 1 or capturing:
         return False
     step = plan_span_step(tuned)
@@ -1274,8 +1275,8 @@ def decode_forward(
     _, vs_strides = scale_args(v_scale)
     v_operand = value_operand(v_cache, kv_scale != 0)
     append = k_new is not None
-    merge = plan.merge
-    if merge:  # the last split of each row tile merges them (_last_split_merges): no combine launch
+    merge = plan.merge  # the last split of each row tile merges them (_last_split_merges): no combine launch
+    if merge:
         counters = allocate((plan.grid[0] // num_splits,), torch.int32, q.device, zeroed=True)
     # Arguments named in LENGTH_ARGUMENTS are rebound by rebind_lengths: change them together.
     _launch_decode(

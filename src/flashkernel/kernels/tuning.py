@@ -244,10 +244,10 @@ class DecodeTuning:
     ``min_split_tokens`` of the capacity where the short-context rules were measured (bf16/fp16,
     head dim <= 128), ``unmeasured_min_split_tokens`` elsewhere, and at most
     ``max_auto_splits`` splits; eager steps that read at most ``merge_in_kernel_max_bytes`` of K
-    and V merge their splits in the decode kernel (``decode.merges_in_kernel``); splits of at most ``short_split_tokens`` keys use
-    ``short_block_n``-key tiles; grids of more than a wave whose programs read at most
-    ``multi_wave_max_tokens`` keys (or read small pages) use ``multi_wave_config``; before that
-    rule, over 1-byte caches (scales per tensor or head, head dim 128, contiguous or small pages)
+    and V merge their splits in the decode kernel (``decode.merges_in_kernel``); splits of at
+    most ``short_split_tokens`` keys use ``short_block_n``-key tiles; grids of more than a wave
+    whose programs read at most ``multi_wave_max_tokens`` keys (or read small pages) use
+    ``multi_wave_config``; before that rule, over 1-byte caches (scales per tensor or head, head dim 128, contiguous or small pages)
     grids of more than ``quantized_resident_programs_per_sm`` and at most
     ``quantized_multi_wave_resident_programs_per_sm`` programs per SM whose programs read more
     than ``multi_wave_max_tokens`` keys use ``quantized_multi_wave_config``. Gluon:
