@@ -314,3 +314,70 @@ def test_call_cache_notes_stay_bounded_without_replays():
     assert cache.notes[9] == "again" and len(cache.notes) == 2
     cache.clear()
     assert not cache.notes
+
+
+def _layout_variants(q, k, v):
+    """Calls of the examples ``(q, k, v, None)``: the same layouts at new addresses, and each
+    way a call can differ from them (what :func:`_launch.layouts` tells apart, and more)."""
+    def fresh(x):
+        return torch.randn_like(x)
+
+    def offset(x):  # the same layout at an address 2 bytes further: another alignment
+        return torch.randn(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
+
+    return {
+        "same": (fresh(q), fresh(k), fresh(v), None),
+        "the examples": (q, k, v, None),
+        "dtype": (q.double(), k, v, None),
+        "shape": (fresh(q)[:1], k, v, None),
+        "strides": (q, k.transpose(0, 1).contiguous().transpose(0, 1), v, None),
+        "alignment": (q, offset(k), v, None),
+        "aliased": (q, k, k, None),
+        "a tensor for None": (q, k, v, fresh(q)),
+        "None for a tensor": (q, None, v, None),
+        "grad": (fresh(q).requires_grad_(), k, v, None),
+        "not a tensor": (q, k.tolist(), v, None),
+        "fewer": (q, k, v),
+    }
+
+
+@pytest.mark.parametrize("variant", list(_layout_variants(*(torch.randn(2, 3, 4) for _ in range(3)))))
+def test_a_layout_guard_answers_only_for_the_planned_layouts(variant):
+    """``LayoutGuard.addresses`` gives the addresses exactly when the call has the examples' layouts
+    (as ``layouts`` compares them, without a gradient); otherwise None, never an error."""
+    q, k, v = torch.randn(2, 1, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    guard = _launch.LayoutGuard.make((q, k, v, None))
+    assert guard is not None
+    tensors = _layout_variants(q, k, v)[variant]
+    addresses = guard.addresses(tensors)
+    if variant in ("same", "the examples"):
+        assert _launch.layouts(tensors) == _launch.layouts((q, k, v, None))
+        assert addresses == [x.data_ptr() for x in tensors[:3]] + [None]
+    else:
+        assert addresses is None
+
+
+def test_a_layout_guard_tells_apart_which_arguments_share_an_address():
+    """Examples that share an address (one ``cu_seqlens`` for queries and keys) match calls that
+    pass one tensor in the same places; calls whose sharing differs are not matched, as ``layouts``
+    keys them apart (one address in two views: left to ``layouts``)."""
+    x, y, z = (torch.randn(4, 8) for _ in range(3))
+    guard = _launch.LayoutGuard.make((x, y, x, None))
+    for call in ((x, y, x, None), (y, x, y, None), (z, y, z, None)):
+        assert guard.addresses(call) == [call[0].data_ptr(), call[1].data_ptr(), call[0].data_ptr(), None]
+        assert _launch.layouts(call) == _launch.layouts((x, y, x, None))
+    for call in ((x, y, z, None), (x, x, x, None), (x, y, y, None)):
+        assert guard.addresses(call) is None and _launch.layouts(call) != _launch.layouts((x, y, x, None))
+    assert guard.addresses((x, y, x.view(4, 8), None)) is None
+
+
+def test_a_layout_guard_is_not_made_where_it_cannot_stand_in_and_keeps_no_tensor():
+    import weakref
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    assert _launch.LayoutGuard.make((x.clone().requires_grad_(), y)) is None
+    assert _launch.LayoutGuard.make((None, None)) is None
+    assert _launch.LayoutGuard.make((torch.nn.Parameter(x), y)) is None  # a subclass: layouts() keys it
+    guard, alive = _launch.LayoutGuard.make((x, y)), weakref.ref(x)
+    del x
+    assert alive() is None and guard.addresses((torch.randn(4, 8), y)) is not None

@@ -342,6 +342,36 @@ def test_a_changed_call_is_not_served_a_stale_replay_gpu(change):
 
 
 @pytest.mark.gpu
+def test_repeated_calls_are_served_without_building_their_key_gpu(monkeypatch):
+    """The recent calls answer a call of the same scalars and layouts (``CallCache.quick``) before
+    its key is built; a call of another layout, or that wants a gradient, builds its own."""
+    built, key = [], interface._key
+    monkeypatch.setattr(interface, "_key", lambda *args: built.append(1) or key(*args))
+    q, k, v = random_qkv(2, 200, 300, 8, 2, 128, torch.bfloat16)
+    want = _full_path(flashkernel.flash_attn_func, q, k, v, causal=True)
+    flashkernel.flash_attn_func(*random_qkv(2, 200, 300, 8, 2, 128, torch.bfloat16), causal=True)  # records
+    built.clear()
+    for _ in range(3):
+        assert torch.equal(flashkernel.flash_attn_func(q, k, v, causal=True), want)
+    assert not built
+    q_grad = q.clone().requires_grad_()
+    assert flashkernel.flash_attn_func(q_grad, k, v, causal=True).grad_fn is not None
+    assert not built  # autograd's call goes through the op, with no key
+    flashkernel.flash_attn_func(q[:, :100], k, v, causal=True)
+    assert built
+
+
+@pytest.mark.gpu
+def test_varlen_calls_that_share_their_offsets_or_not_get_their_own_replays_gpu():
+    cu = torch.tensor([0, 100, 333], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(333, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    want = _full_path(flashkernel.flash_attn_varlen_func, q, k, v, cu, cu, 233, 233, causal=True)
+    for offsets in ((cu, cu), (cu, cu), (cu, cu.clone()), (cu, cu.clone()), (cu, cu), (cu.clone(), cu)):
+        assert torch.equal(flashkernel.flash_attn_varlen_func(q, k, v, *offsets, 233, 233, causal=True), want)
+    assert len(interface._EAGER_CALLS) == 2
+
+
+@pytest.mark.gpu
 def test_bad_input_after_many_good_calls_still_fails_gpu():
     q, k, v = random_qkv(1, 64, 64, 4, 4, 128, torch.bfloat16)
     for _ in range(20):
@@ -410,7 +440,7 @@ def test_fake_launch_replay_takes_integer_addresses(monkeypatch):
 
     a, b = torch.empty(8), torch.empty(8)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_launch, "stream_capturing", lambda: False)
     with _launch.Recorder((a, b)) as rec:
         rec.spoiled = False
         out, scratch = _launch.allocate((4,), torch.float32, "cpu"), _launch.allocate((6,), torch.float32, "cpu")
@@ -452,7 +482,7 @@ def _fake_replay(monkeypatch, values, launcher=None):
 
     a, b = torch.empty(8), torch.empty(8)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_launch, "stream_capturing", lambda: False)
     monkeypatch.setattr(_launch._native, "launch_for", lambda *a: None)
     monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_raw_stream", lambda device: 99)
@@ -669,7 +699,6 @@ def test_a_cache_of_another_rank_gets_its_error_on_the_eager_path(monkeypatch, r
     """The eager path keys the call (and its length family) before validation: a cache that is
     not rank 4 still gets validation's ValueError."""
     monkeypatch.setattr(interface, "_eager", lambda tensors: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
     bad = k_cache.reshape(-1)[0] if rank == 0 else k_cache[0]
     with pytest.raises(ValueError, match="must have 4 dimensions"):
@@ -749,8 +778,11 @@ def test_plan_runs_write_the_callers_output():
 
 
 def test_plan_runs_refuse_a_bad_output():
+    """Each bad ``out`` gets its error, also after a good one (from which the run's quick check
+    of the output is made on the GPU)."""
     q, k_cache, v_cache, _, _, seqlens = _cache_inputs(lengths=(7, 30))
     plan = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens)
+    plan.run(q, k_cache, v_cache, out=torch.empty_like(q))
     with pytest.raises(TypeError, match="out must be a torch.Tensor or None, got list"):
         plan.run(q, k_cache, v_cache, out=[])
     with pytest.raises(ValueError, match=r"out has shape \(2, 1, 4, 32\), dtype torch.float32.*dtype torch.float16"):
@@ -769,6 +801,7 @@ def test_plan_runs_refuse_a_bad_output():
     lengths = pool[:4].view(torch.int32)
     lengths.copy_(seqlens)
     kept = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=lengths)
+    kept.run(q, k_cache, v_cache, out=torch.empty_like(q))
     with pytest.raises(ValueError, match="out overlaps cache_seqlens"):
         kept.run(q, k_cache, v_cache, out=pool.view(q.shape))
     assert torch.equal(lengths, seqlens)
@@ -830,6 +863,28 @@ def test_decode_plan_replays_bit_identical_gpu():
             out = torch.full_like(q, float("nan"))
             assert torch.equal(plan.run(q, k_cache, v_cache, k=k, v=v, out=out), want)
             assert torch.equal(out, want) and torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_replays_allocate_through_the_direct_allocator_as_the_full_path_would_gpu(monkeypatch, num_splits):
+    """Outputs not poisoned (as users run): replays allocate their outputs and temporaries through
+    PyTorch's direct CUDA allocator, and return what the full path returns, in the same layout."""
+    monkeypatch.setattr(_launch, "empty", _launch._default_empty)
+    direct, shapes = _launch._empty_strided_cuda, []
+    monkeypatch.setattr(_launch, "_empty_strided_cuda", lambda *args: shapes.append(args[0]) or direct(*args))
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs(8, 1024, 8, 32, 128, torch.bfloat16, 1,
+                                                       (1000, 0, 17, 513, 3, 64, 65, 999))
+    args = dict(cache_seqlens=seqlens, num_splits=num_splits, return_lse=True)
+    want = _full_path(flashkernel.flash_attn_with_kvcache, q, k_cache, v_cache, **args)
+    plan = flashkernel.DecodePlan(q, k_cache, v_cache, **args)
+    for got in (flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, **args),  # recorded
+                flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, **args),  # replayed
+                plan.run(q, k_cache, v_cache), plan.run(q, k_cache, v_cache)):
+        for x, y in zip(got, want):
+            assert (x.shape, x.stride(), x.dtype, x.device) == (y.shape, y.stride(), y.dtype, y.device)
+            assert torch.equal(x, y)
+    assert tuple(q.shape) in shapes
 
 
 @pytest.mark.gpu
@@ -911,7 +966,6 @@ def test_an_argument_that_is_not_a_tensor_gets_its_error_on_the_eager_path_under
     call: an argument that is not a tensor still gets validation's TypeError (it raised an
     AttributeError from the key once)."""
     monkeypatch.setattr(interface, "_eager", lambda tensors: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     q, k_cache, v_cache, _, _, seqlens = _cache_inputs()
     name = "k_cache" if public == "with_kvcache" else "k"
     with torch.no_grad(), pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor"):

@@ -14,7 +14,7 @@ import torch
 
 from . import _checks, ops, reference
 from .kernels import decode, dispatch, naive
-from .kernels._launch import CallCache, allocate, layouts, runtime_key
+from .kernels._launch import CallCache, allocate, layouts, runtime_key, stream_capturing
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_kv", "standard_attention"]
 
@@ -42,17 +42,44 @@ def _eager(tensors) -> bool:
         return False
 
 
-def _key(name: str, scalars: tuple, window_size, tensors) -> tuple | None:
-    """A call's cache key: its scalars with their types (``1``, ``1.0`` and ``True`` are equal
-    but validation accepts some of them and not others), the window, the tensors' layouts; None
-    when an argument is not a tensor (bad input: validation names it)."""
+def _probe(name: str, scalars: tuple, window_size) -> tuple:
+    """A call's key without its tensors: its scalars with their types (``1``, ``1.0`` and
+    ``True`` are equal but validation accepts some of them and not others) and the window."""
     if window_size is not _checks.NO_WINDOW and isinstance(window_size, (tuple, list)):
         window_size = (window_size.__class__, tuple(window_size), tuple(map(type, window_size)))
+    return name, scalars, tuple(map(type, scalars)), window_size
+
+
+def _key(probe: tuple, tensors) -> tuple | None:
+    """A call's cache key: its :func:`_probe` and the tensors' layouts; None when an argument is
+    not a tensor (bad input: validation names it)."""
     try:
-        tensor_layouts = layouts(tensors)
+        return (*probe, layouts(tensors))
     except (AttributeError, TypeError):
         return None
-    return name, scalars, tuple(map(type, scalars)), window_size, tensor_layouts
+
+
+def _lookup(name: str, scalars: tuple, window_size, tensors, by_capture: bool = False):
+    """``(results, probe, key)`` of an eager call: the outputs of a replayed earlier call with
+    these scalars and the tensors' layouts (None when there is none), and for recording this
+    call, its probe and key (None when it may not be recorded: see :func:`_eager`).
+    ``by_capture``: the call's launches depend on whether a CUDA graph is being captured, which
+    becomes one more scalar.
+
+    The recent calls (``CallCache.quick``) answer first: the same few calls over and over, as a
+    model's layers make them, are found without building the key."""
+    if torch.compiler.is_compiling() or type(tensors[0]) is not torch.Tensor:
+        return None, None, None
+    capturing = None
+    if by_capture:
+        capturing = tensors[0].is_cuda and stream_capturing()
+        scalars = (*scalars, capturing)
+    probe = _probe(name, scalars, window_size)
+    results = _EAGER_CALLS.quick(probe, tensors, capturing)
+    if results is not None or not _eager(tensors):
+        return results, None, None
+    key = _key(probe, tensors)
+    return _replay(key, tensors), probe, key
 
 
 def _replay(key, tensors):
@@ -115,17 +142,17 @@ def _with_lse_for_backward(scalars: tuple, tensors) -> tuple:
     return (*scalars[:-2], True, scalars[-1]) if ops.needs_grad(tensors) else scalars
 
 
-def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op, family=None):
-    """Run a validated call: recorded for replay in eager mode (and filed under ``family`` when
-    given, see ``CallCache``), else through the op ``op`` (after checking that no gradient is
-    wanted where the op has no backward; ``named`` are the differentiable inputs with their
-    names)."""
+def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op, family=None, probe=None):
+    """Run a validated call: recorded for replay in eager mode (and filed under ``family`` and
+    ``probe`` when given, see ``CallCache``), else through the op ``op`` (after checking that no
+    gradient is wanted where the op has no backward; ``named`` are the differentiable inputs
+    with their names)."""
     if eager_key is not None:
         try:
             hash(eager_key)
         except TypeError:  # an unhashable key (a scalar argument given as a list): not recorded
             return run_eager()
-        return _EAGER_CALLS.run(eager_key, tensors, run_eager, family)
+        return _EAGER_CALLS.run(eager_key, tensors, run_eager, family, probe)
     ops.check_no_grad(op, named, f"flashkernel.{public}")
     return run_op()
 
@@ -222,12 +249,9 @@ def flash_attn_func(
         >>> out = flash_attn_func(q, k, v, causal=True)        # [2, 1024, 32, 128]
     """
     tensors = (q, k, v, alibi_slopes, sinks)
-    key = None
-    if _eager(tensors):
-        key = _key("fwd", (causal, softmax_scale, softcap, return_lse, backend), window_size, tensors)
-        results = _replay(key, tensors)
-        if results is not None:
-            return results if return_lse else results[0]
+    results, probe, key = _lookup("fwd", (causal, softmax_scale, softcap, return_lse, backend), window_size, tensors)
+    if results is not None:
+        return results if return_lse else results[0]
     scale = _validate_dense(q, k, v, causal, softmax_scale, return_lse)
     batch, seqlen_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
@@ -238,7 +262,7 @@ def flash_attn_func(
     scalars = (causal, scale, window[0], window[1], cap, return_lse, backend)
     op_scalars = _with_lse_for_backward(scalars, tensors)
     out, lse = _run("fwd", "flash_attn_func", key, tensors, (("q", q), ("k", k), ("v", v), ("sinks", sinks)),
-                    lambda: ops.fwd_impl(*tensors, *scalars), lambda: ops.fwd(*tensors, *op_scalars))
+                    lambda: ops.fwd_impl(*tensors, *scalars), lambda: ops.fwd(*tensors, *op_scalars), probe=probe)
     return (out, lse) if return_lse else out
 
 
@@ -305,11 +329,10 @@ def flash_attn_varlen_func(
         >>> out = flash_attn_varlen_func(q, k, torch.randn_like(k), cu, cu, 300, 300, causal=True)
     """
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
-    key = None
-    if _eager(tensors) and validate is not True:
-        key = _key("varlen", (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap, return_lse, validate,
-                              backend), window_size, tensors)
-        results = _replay(key, tensors)
+    probe = key = None
+    if validate is not True:  # else the values are read and checked at every call
+        results, probe, key = _lookup("varlen", (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap,
+                                                 return_lse, validate, backend), window_size, tensors)
         if results is not None:
             return results if return_lse else results[0]
     interpreted = kernels_interpreted()
@@ -337,7 +360,7 @@ def flash_attn_varlen_func(
     out, lse = _run("varlen_fwd", "flash_attn_varlen_func", key, tensors,
                     (("q", q), ("k", k), ("v", v), ("sinks", sinks)), run_eager,
                     lambda: ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks,
-                                           *op_scalars))
+                                           *op_scalars), probe=probe)
     return (out, lse) if return_lse else out
 
 
@@ -544,13 +567,12 @@ def flash_attn_with_kvcache(
     # quantized cache never replays the launches of a call over another format or granularity.
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
                v_scale)
-    key = None
-    if _eager(tensors) and validate is not True:
-        key = _key("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend,
-                               torch.cuda.is_current_stream_capturing()), window_size, tensors)
-        results = _replay(key, tensors)
+    probe = key = None
+    if validate is not True:  # else the values are read and checked at every call
+        results, probe, key = _lookup("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate,
+                                                  backend), window_size, tensors, by_capture=True)
         if results is None and key is not None:
-            results = _rebound_length(key, tensors, causal, softmax_scale, window_size, softcap, num_splits,
+            results = _rebound_length(key, probe, tensors, causal, softmax_scale, window_size, softcap, num_splits,
                                       return_lse, backend)
         if results is not None:
             return results if return_lse else results[0]
@@ -568,7 +590,7 @@ def flash_attn_with_kvcache(
              ("k_scale", k_scale), ("v_scale", v_scale))
     out, lse = _run("kvcache_fwd", "flash_attn_with_kvcache", key, tensors, named,
                     lambda: ops.kvcache_fwd_impl(*tensors, *scalars), lambda: ops.kvcache_fwd(*tensors, *scalars),
-                    family and family[0])
+                    family and family[0], probe)
     return (out, lse) if return_lse else out
 
 
@@ -582,7 +604,8 @@ def _family_base(key):
     return name, key_scalars, types, window, tensor_layouts[:1] + caches + tensor_layouts[3:]
 
 
-def _rebound_length(key, tensors, causal, softmax_scale, window_size, softcap, num_splits, return_lse, backend):
+def _rebound_length(key, probe, tensors, causal, softmax_scale, window_size, softcap, num_splits, return_lse,
+                    backend):
     """The outputs of an eager cache call that no call of its own key recorded, served by a
     recorded call of its length family (``CallCache.rebound``); None when there is none (then
     the caller validates and takes the full path, which files the call under its family).
@@ -604,7 +627,8 @@ def _rebound_length(key, tensors, causal, softmax_scale, window_size, softcap, n
     family = _length_family(base, tensors, scalars)
     if family is None:
         return None
-    return _EAGER_CALLS.rebound(key, family[0], tensors, lambda replay: decode.rebind_lengths(replay, family[1]))
+    return _EAGER_CALLS.rebound(key, family[0], tensors, lambda replay: decode.rebind_lengths(replay, family[1]),
+                                probe)
 
 
 def _length_family(base, tensors, scalars):

@@ -26,13 +26,12 @@ the same arguments.
 
 from __future__ import annotations
 
-import itertools
 
 import torch
 
 from . import _checks, interface, ops
 from .kernels import decode, dispatch
-from .kernels._launch import CallCache, layout, layouts
+from .kernels._launch import CallCache, LayoutGuard, layout, layouts, stream_capturing
 
 __all__ = ["DecodePlan", "VarlenPlan"]
 
@@ -74,6 +73,11 @@ class _Plan:
         self._kept_spans = ()
         self._key = layouts(examples)
         self._calls = CallCache(max_entries=2)  # recorded eagerly and under CUDA-graph capture
+        # The per-run check in one C++ call where it can stand in for comparing layouts (run's
+        # fast path); the same for ``out``, made from the first output a replay wrote directly.
+        self._guard = LayoutGuard.make(examples) if examples[0].is_cuda else None
+        self._out_guard = None
+        self._out_bytes = examples[0].numel() * examples[0].element_size()
 
     def _keep(self, names, tensors) -> None:
         """Note the tensors the plan holds for every run (lengths, tables, slopes, sinks): their
@@ -102,12 +106,50 @@ class _Plan:
                              "expanded tensor?); pass a tensor with one element per address")
         start = out.data_ptr()
         end = start + (out.numel() * out.element_size() if contiguous else _extent(out))
-        inputs = ((name, x.data_ptr(), extent) for name, x, extent in zip(self._names, tensors, self._extents)
-                  if x is not None and extent)
-        for name, x_start, x_extent in itertools.chain(inputs, self._kept_spans):
-            if x_start < end and start < x_start + x_extent:
-                raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
-        return contiguous and start % 16 == 0
+        name = self._overlapped(start, end, [None if x is None else x.data_ptr() for x in tensors])
+        if name is not None:
+            raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
+        direct = contiguous and start % 16 == 0
+        if direct and self._out_guard is None:
+            self._out_guard = LayoutGuard.make((out,))
+        return direct
+
+    def _overlapped(self, start: int, end: int, addresses) -> str | None:
+        """The name of an input (at ``addresses``) or kept tensor with a byte in ``[start, end)``."""
+        for name, x_start, extent in zip(self._names, addresses, self._extents):
+            if x_start is not None and extent and x_start < end and start < x_start + extent:
+                return name
+        for name, x_start, extent in self._kept_spans:
+            if x_start < end and start < x_start + extent:
+                return name
+        return None
+
+    def _replayed(self, tensors, fixed, out):
+        """The fast path of a run: the results of the recorded launches when the guards vouch for
+        ``tensors`` (and for ``out``, which then shares no byte with them); None when the caller
+        must take :meth:`_run`'s path (which raises what is wrong, if anything is)."""
+        if torch.compiler.is_compiling():
+            return None
+        addresses = self._guard.addresses(tensors)
+        if addresses is None:
+            return None
+        capturing = stream_capturing()
+        replay = self._calls.get(capturing)
+        if replay is None:
+            return None
+        outputs = None
+        if out is not None:
+            out_address = None if self._out_guard is None else self._out_guard.addresses((out,))
+            if out_address is None or self._overlapped(out_address[0], out_address[0] + self._out_bytes,
+                                                       addresses) is not None:
+                return None
+            outputs = (out,)
+        addresses += [None if x is None else x.data_ptr() for x in fixed]
+        results = replay.run((*tensors, *fixed), reuse_scratch=True, outputs=outputs, addresses=addresses,
+                             capturing=capturing)
+        if out is not None:
+            torch.autograd.graph.increment_version(out)  # written in place, as copy_ would have marked it
+        return results
 
     def _run(self, tensors, fixed, call, out=None):
         inputs = tuple(tensors) + tuple(fixed)
@@ -125,7 +167,7 @@ class _Plan:
             return _into(out, call())
         # Capture is part of the key, as for every recorded call: dispatch may choose other
         # launches under capture (e.g. a split step's merge, kernels/decode.py merges_in_kernel).
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = stream_capturing()
         replay = self._calls.get(capturing)
         if replay is None:
             return _into(out, self._calls.run(capturing, inputs, call))
@@ -187,9 +229,11 @@ class DecodePlan(_Plan):
                 self._check_out(out, tensors)
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
-            ops.check_no_grad("kvcache_fwd", (("q", q), ("k", k), ("v", v)), "DecodePlan.run")
-            results = self._run(tensors, self._fixed, lambda: ops.kvcache_fwd_impl(
-                q, k_cache, v_cache, k, v, *self._fixed, k_scale, v_scale, *self._scalars), out)
+            results = None if self._guard is None else self._replayed(tensors, self._fixed, out)
+            if results is None:
+                ops.check_no_grad("kvcache_fwd", (("q", q), ("k", k), ("v", v)), "DecodePlan.run")
+                results = self._run(tensors, self._fixed, lambda: ops.kvcache_fwd_impl(
+                    q, k_cache, v_cache, k, v, *self._fixed, k_scale, v_scale, *self._scalars), out)
         return results if self.return_lse else results[0]
 
 
@@ -233,6 +277,8 @@ class VarlenPlan(_Plan):
                 self._check_out(out, (q, k, v))
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
-            ops.check_no_grad("varlen_fwd", (("q", q), ("k", k), ("v", v)), "VarlenPlan.run")
-            results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args), out)
+            results = None if self._guard is None else self._replayed((q, k, v), self._fixed, out)
+            if results is None:
+                ops.check_no_grad("varlen_fwd", (("q", q), ("k", k), ("v", v)), "VarlenPlan.run")
+                results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args), out)
         return results if self.return_lse else results[0]

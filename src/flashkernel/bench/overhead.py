@@ -16,7 +16,13 @@ cuDNN backend's eager call, its backend chosen once outside the timed calls):
   (what a loop of calls costs; the larger of host and GPU time);
 * ``host_us``: host time per call: the same loop, not synchronised (launches are asynchronous;
   600 launches stay below the launch queue's depth);
-* ``gpu_us``: GPU time per call, from CUDA-graph replays of 20 calls (no host at all).
+* ``gpu_us``: GPU time per call, from CUDA-graph replays of 20 calls (no host at all);
+* decode and append steps also: ``host_paired_us``, host time per call from 15 rounds in which
+  every provider of the step and cuDNN's call take turns (a 200-call unsynchronised loop each),
+  and ``host_vs_cudnn``, the median over the rounds of the provider's time over cuDNN's in the
+  same round: host time drifts between loops on these hosts by more than the differences measured,
+  and pairing cancels the drift (for pages of 16, cuDNN's call is over a contiguous cache of the
+  same size, its only layout).
 
 Shapes (bf16): decode, 32 query heads, 8 KV heads, head dim 128, one new token, batch 1/8/64 x
 context 1k/4k, contiguous and pages of 16 (cuDNN gets the contiguous cache in its preferred
@@ -63,6 +69,7 @@ DECODE = [(b, c, p) for b in (1, 8, 64) for c in (1024, 4096) for p in (0, 16)]
 PREFILL = [(d, s, causal) for d in (64, 128, 256) for s in (512, 1024, 2048) for causal in (False, True)]
 PREFILL_SHORT = (128, 512)  # seqlens of the host-bound prefill rows (batch 1, causal, decode's heads)
 LOOP_CALLS = 200
+PAIRED_ROUNDS = 15
 GRAPH_CALLS = 20
 LAYERS = 32
 GROWING_LAYERS, GROWING_STEPS, GROWING_CONTEXT = 4, 40, 2048
@@ -105,6 +112,26 @@ def graph_us(fn) -> float | None:
     except Exception as exc:  # noqa: BLE001 - a provider that cannot be captured reports no GPU time
         print(f"    (no graph timing: {type(exc).__name__}: {str(exc)[:120]})", flush=True)
         return None
+
+
+def paired_host_us(providers: dict, reference) -> dict:
+    """``{name: (host_paired_us, host_vs_cudnn)}`` for each provider, from :data:`PAIRED_ROUNDS`
+    rounds in which the providers and ``reference`` (cuDNN's call, timed under its backend
+    choice) each run one unsynchronised loop; see the module docstring."""
+    timed = dict(providers, _reference=reference)
+    samples = {name: [] for name in timed}
+    with cudnn_context():
+        for _ in range(PAIRED_ROUNDS):
+            for name, fn in timed.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(LOOP_CALLS):
+                    fn()
+                samples[name].append((time.perf_counter() - start) / LOOP_CALLS * 1e6)
+        torch.cuda.synchronize()
+    return {name: (statistics.median(samples[name]),
+                   statistics.median([t / r for t, r in zip(samples[name], samples["_reference"])]))
+            for name in providers}
 
 
 def measure(fn, context=contextlib.nullcontext) -> dict:
@@ -153,25 +180,38 @@ def decode_rows(label: str) -> list[dict]:
             if "out" in inspect.signature(plan.run).parameters:
                 out = torch.empty_like(q)
                 providers["flashkernel_plan_run_out"] = lambda: plan.run(q, k_cache, v_cache, out=out)
+        qt = q.transpose(1, 2).contiguous()
         if page == 0:
-            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k_cache, v_cache))
-            providers["sdpa_cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
-                                                                                               enable_gqa=True)
-        rows += step_rows("decode", label, batch, context, page, providers)
+            kt, vt = (x.transpose(1, 2).contiguous() for x in (k_cache, v_cache))
+        else:  # cuDNN has no pages: the same step over a contiguous cache
+            kt, vt = (torch.randn(batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                      for _ in range(2))
+
+        def cudnn(qt=qt, kt=kt, vt=vt):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        if page == 0:
+            providers["sdpa_cudnn"] = cudnn
+        rows += step_rows("decode", label, batch, context, page, providers, cudnn)
         del q, k_cache, v_cache
         torch.cuda.empty_cache()
     return rows
 
 
-def step_rows(workload: str, label: str, batch: int, context: int, page: int, providers: dict) -> list[dict]:
-    """One row of :func:`measure` per provider of a decode step (SDPA's under its cuDNN backend)."""
+def step_rows(workload: str, label: str, batch: int, context: int, page: int, providers: dict,
+              cudnn) -> list[dict]:
+    """One row of :func:`measure` per provider of a decode step (SDPA's under its cuDNN backend),
+    with its host time paired with ``cudnn``'s call (:func:`paired_host_us`)."""
     rows = []
     for name, fn in providers.items():
         timer_context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
         row = dict(workload=workload, label=label, provider=name, batch=batch, context=context, page_size=page,
                    **measure(fn, timer_context))
-        print(f"{workload} b={batch:2d} ctx={context:5d} page={page:2d} {name:22s} " + cells(row), flush=True)
         rows.append(row)
+    paired = paired_host_us(providers, cudnn)
+    for row in rows:
+        row["host_paired_us"], row["host_vs_cudnn"] = paired[row["provider"]]
+        print(f"{workload} b={batch:2d} ctx={context:5d} page={page:2d} {row['provider']:24s} " + cells(row)
+              + f" host/cuDNN {row['host_vs_cudnn']:5.2f}", flush=True)
     return rows
 
 
@@ -195,17 +235,21 @@ def append_rows(label: str) -> list[dict]:
             if "out" in inspect.signature(plan.run).parameters:
                 out = torch.empty_like(q)
                 providers["flashkernel_plan_run_out"] = lambda: plan.run(q, k_cache, v_cache, k, v, out=out)
+        qt, kn, vn = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         if page == 0:
-            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k_cache[:, :context + 1], v_cache[:, :context + 1]))
-            kn, vn = (x.transpose(1, 2) for x in (k, v))
-            slot = torch.tensor([context], device="cuda")
+            kt, vt = (x.transpose(1, 2).contiguous() for x in (k_cache[:, :context + 1], v_cache[:, :context + 1]))
+        else:  # cuDNN has no pages: the same step over a contiguous cache
+            kt, vt = (torch.randn(batch, KV_HEADS, context + 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                      for _ in range(2))
+        slot = torch.tensor([context], device="cuda")
 
-            def sdpa_step():
-                kt.index_copy_(2, slot, kn)
-                vt.index_copy_(2, slot, vn)
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        def sdpa_step(qt=qt, kt=kt, vt=vt, kn=kn, vn=vn, slot=slot):
+            kt.index_copy_(2, slot, kn)
+            vt.index_copy_(2, slot, vn)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        if page == 0:
             providers["sdpa_cudnn"] = sdpa_step
-        rows += step_rows("append", label, batch, context, page, providers)
+        rows += step_rows("append", label, batch, context, page, providers, sdpa_step)
         del q, k_cache, v_cache
         torch.cuda.empty_cache()
     return rows

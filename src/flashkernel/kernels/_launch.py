@@ -127,8 +127,22 @@ def allocate(shape, dtype: torch.dtype, device, zeroed: bool = False) -> torch.T
     return out
 
 
-def _fresh(shape, dtype: torch.dtype, device, zeroed: bool) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device) if zeroed else empty(shape, dtype, device)
+def _fresh(shape, dtype: torch.dtype, device, zeroed: bool, strides=None) -> torch.Tensor:
+    """A new buffer for an allocation; ``strides`` (contiguous ones, given by replays running on
+    ``device``, the current device) let a CUDA buffer come from PyTorch's direct allocator, which
+    skips the dispatcher: a third of ``torch.empty``'s host time."""
+    if zeroed:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if strides is not None and _empty_strided_cuda is not None and empty is _default_empty and device.type == "cuda":
+        return _empty_strided_cuda(shape, strides, dtype)
+    return empty(shape, dtype, device)
+
+
+_default_empty = empty  # replaced (tests poison outputs): every buffer then goes through the replacement
+try:  # what Inductor's generated code allocates with; absent from some builds
+    from torch._C._dynamo.guards import _empty_strided_cuda
+except ImportError:
+    _empty_strided_cuda = None
 
 
 def spoil_recording() -> None:
@@ -236,13 +250,13 @@ class Replay:
         alloc_ids = {id(t): i for i, t in enumerate(rec.allocations)}
         if any(o is not None and id(o) not in alloc_ids for o in outputs):
             raise _NotReplayable("an output was not made by allocate()")  # zeros, a copy
-        self.allocations = tuple((tuple(t.shape), t.dtype, t.device, i in rec.zeroed)
+        self.allocations = tuple((tuple(t.shape), t.dtype, t.device, i in rec.zeroed, t.stride())
                                  for i, t in enumerate(rec.allocations))
         self.num_inputs = len(inputs)
         # Temporaries (allocations that are not outputs, e.g. split-KV partials): reusable per
         # stream by eager callers (``run(..., reuse_scratch=True)``), one run at a time. Zeroed
         # ones are zeroed when allocated: the kernels that use them leave them at zero.
-        self._scratch_by_stream: dict[int, list] = {}
+        self._scratch_by_stream: dict[int, tuple] = {}
         self._scratch_lock = threading.Lock()
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
         self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
@@ -332,13 +346,17 @@ class Replay:
                 clone._storages = tuple(p.storage for p in clone._packed)
         return clone
 
-    def run(self, inputs, reuse_scratch: bool = False, outputs=None):
+    def run(self, inputs, reuse_scratch: bool = False, outputs=None, addresses=None, capturing=None):
         """Launch the recorded kernels for ``inputs`` (same layouts as the recorded call's, on the
         recorded device); returns the outputs as the recorded call did.
 
         ``outputs``: tensors (or None) to write in place of the first recorded outputs, in their
         order; each must have its recorded output's shape, strides, dtype and device and a 16-byte
         aligned address (the caller checks; Triton specialized the kernels on it).
+
+        ``addresses``: the inputs' ``data_ptr()`` (None for None), when the caller has read them
+        already; ``capturing``: whether the current stream is capturing a CUDA graph, when the
+        caller knows (each saves a query per run).
 
         ``reuse_scratch``: keep the temporaries per stream and reuse them in the next run on that
         stream, instead of allocating them per run. Safe for eager calls: the kernels of one
@@ -349,40 +367,50 @@ class Replay:
         """
         if _current_device() != self.device:
             with torch.cuda.device(self.device):
-                return self._run(inputs, reuse_scratch, outputs)
-        return self._run(inputs, reuse_scratch, outputs)
-
-    def _allocate(self, stream: int, reuse_scratch: bool, given) -> list:
-        if not (reuse_scratch and self.scratch) or torch.cuda.is_current_stream_capturing():
-            kept = [_fresh(*self.allocations[i]) for i in self.scratch]
-        else:
-            kept = self._scratch_by_stream.get(stream)
-            if kept is None:
-                kept = self._scratch_by_stream[stream] = [_fresh(*self.allocations[i]) for i in self.scratch]
-        allocated = [None] * len(self.allocations)
-        for i, buffer in zip(self.scratch, kept):
-            allocated[i] = buffer
-        given = given or ()
-        for i, j in enumerate(self.outputs):
-            if j is not None:
-                allocated[j] = given[i] if i < len(given) and given[i] is not None else _fresh(*self.allocations[j])
-        return allocated
-
-    def _run(self, inputs, reuse_scratch: bool, outputs):
+                return self.run(inputs, reuse_scratch, outputs, addresses, capturing)
         if reuse_scratch and self.scratch:
             # Threads launching on one stream share its temporaries, so one run's launches are all
             # issued before another run's begin: else a second run's split kernel could overwrite
             # partials the first run's merge has yet to read (Triton's launcher releases the GIL
             # while it launches; the C launcher's one call does not).
             with self._scratch_lock:
-                return self._launch(inputs, reuse_scratch, outputs)
-        return self._launch(inputs, reuse_scratch, outputs)
+                return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
+        return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
 
-    def _launch(self, inputs, reuse_scratch: bool, outputs):
+    def _kept(self, stream: int) -> tuple[list, list]:
+        """The temporaries kept for ``stream`` (made on its first run): the allocations with None
+        for the outputs, and their addresses."""
+        kept = self._scratch_by_stream.get(stream)
+        if kept is None:
+            buffers = [None if i in self.outputs else _fresh(*allocation)
+                       for i, allocation in enumerate(self.allocations)]
+            kept = self._scratch_by_stream[stream] = (buffers, [None if t is None else t.data_ptr() for t in buffers])
+        return kept
+
+    def _allocate(self, stream: int, reuse_scratch: bool, given, capturing) -> tuple[list, list]:
+        """The run's buffers, one per recorded allocation (``given`` outputs, kept or new
+        temporaries, new outputs), and their addresses."""
+        if reuse_scratch and self.scratch and not (
+                capturing or (capturing is None and stream_capturing())):
+            buffers, addresses = self._kept(stream)
+            allocated, addresses = buffers.copy(), addresses.copy()
+        else:
+            allocated = [None if i in self.outputs else _fresh(*allocation)
+                         for i, allocation in enumerate(self.allocations)]
+            addresses = [None if t is None else t.data_ptr() for t in allocated]
+        given = given or ()
+        for i, j in enumerate(self.outputs):
+            if j is not None:
+                buffer = given[i] if i < len(given) and given[i] is not None else _fresh(*self.allocations[j])
+                allocated[j], addresses[j] = buffer, buffer.data_ptr()
+        return allocated, addresses
+
+    def _launch(self, inputs, reuse_scratch: bool, outputs, addresses, capturing):
         stream = _raw_stream(self.device)
-        allocated = self._allocate(stream, reuse_scratch, outputs)
-        addresses = [None if x is None else x.data_ptr() for x in inputs]
-        addresses += [t.data_ptr() for t in allocated]
+        allocated, allocation_addresses = self._allocate(stream, reuse_scratch, outputs, capturing)
+        if addresses is None:
+            addresses = [None if x is None else x.data_ptr() for x in inputs]
+        addresses = [*addresses, *allocation_addresses]
         if self.native is not None:
             _native.module().run(stream, addresses, self.native, self._storages)
             return tuple([None if j is None else allocated[j] for j in self.outputs])
@@ -405,6 +433,9 @@ def _raw_stream(device: int) -> int:
 
 # torch.cuda.current_device without its Python wrapper (absent from CPU builds of torch).
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# torch.cuda.is_current_stream_capturing without its Python wrapper (CUDA builds: on others, as
+# that function, it raises when called).
+stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 def replay_allowed() -> bool:
@@ -427,6 +458,83 @@ def layouts(tensors) -> tuple:
     return tuple([None if t is None else
                    (t.shape, t.stride(), t.dtype, t.device, first.setdefault(p := t.data_ptr(), i), p & 15)
                    for i, t in enumerate(tensors)])
+
+
+class LayoutGuard:
+    """A quicker :func:`layouts` comparison, for callers that check calls against one set of
+    example tensors (a plan's layers; a recent call): shapes, strides, dtypes, devices and that no
+    gradient is wanted, in one call into PyTorch's C++ tensor guards (what ``torch.compile``'s
+    compiled frames check their inputs with), then in Python the addresses' alignments and which
+    of them are equal. :meth:`addresses` stands for ``layouts(tensors) == layouts(examples)``
+    where it answers. :meth:`make` gives None where it cannot stand in: a build of PyTorch without
+    the guards, no tensor, an example that wants a gradient.
+    """
+
+    __slots__ = ("_check", "_checked", "_alignments", "_same", "_distinct")
+
+    def __init__(self, check, checked, examples):
+        self._check, self._checked = check, checked
+        self._alignments = tuple(None if x is None else x.data_ptr() & 15 for x in examples)
+        addresses = [None if x is None else x.data_ptr() for x in examples]
+        self._same = tuple((i, addresses.index(a)) for i, a in enumerate(addresses)
+                           if a is not None and addresses.index(a) != i)  # (slot, first slot at its address)
+        self._distinct = len(set(addresses))
+
+    @classmethod
+    def make(cls, examples) -> LayoutGuard | None:
+        # The C++ guards refuse one object twice: a slot at an earlier slot's address is checked
+        # by being that slot's tensor (the one ``cu_seqlens`` for queries and keys).
+        addresses = [None if x is None else x.data_ptr() for x in examples]
+        checked = tuple(i for i, a in enumerate(addresses) if a is not None and addresses.index(a) == i)
+        tensors = [examples[i] for i in checked]
+        if _TensorGuards is None or not tensors or any(type(x) is not torch.Tensor or x.requires_grad
+                                                       for x in examples if x is not None):
+            return None
+        try:
+            guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(x.shape) for x in tensors],
+                                  dynamic_dims_strides=[list(x.stride()) for x in tensors])
+            if not guard.check(*tensors):
+                return None
+        except Exception:  # noqa: BLE001 - another build's signature: the caller keeps layouts()
+            return None
+        return cls(guard.check, checked, examples)
+
+    def addresses(self, tensors) -> list | None:
+        """``tensors``' addresses (None for None) when they have the examples' layouts: None in the
+        same places, equal addresses in the same places; else None (and the caller compares
+        :func:`layouts`)."""
+        try:
+            if len(tensors) != len(self._alignments) or not self._check(*[tensors[i] for i in self._checked]):
+                return None
+        except TypeError:  # a missing or non-tensor argument
+            return None
+        addresses = []
+        for x, alignment in zip(tensors, self._alignments):
+            if x is None:
+                if alignment is not None:
+                    return None
+                addresses.append(None)
+            else:
+                if alignment is None:
+                    return None
+                address = x.data_ptr()
+                if address & 15 != alignment:
+                    return None
+                addresses.append(address)
+        # As many distinct addresses as the examples had, and one tensor where they had one
+        # address: the same partition of the slots.
+        if len(set(addresses)) != self._distinct:
+            return None
+        for i, j in self._same:
+            if tensors[i] is not tensors[j]:
+                return None
+        return addresses
+
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:
+    _TensorGuards = None
 
 
 class BoundedNotes(dict):
@@ -458,12 +566,33 @@ class CallCache:
     ``max_entries``).
     """
 
+    RECENT = 8  # replays :meth:`quick` looks through
+
     def __init__(self, max_entries: int = 1024):
         self.max_entries = max_entries
         self._replays: dict = {}
         self._families: dict = {}
+        self._recent: list = []  # (probe, LayoutGuard, replay) of the latest filed replays, newest first
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
+
+    def quick(self, probe, inputs, capturing=None):
+        """The outputs of a recent replay filed with ``probe`` (the caller's key without the tensors'
+        layouts, e.g. its name and scalar arguments) whose inputs had the layouts of ``inputs``
+        (:class:`LayoutGuard`), run on ``inputs``; None when there is none. What a caller that
+        makes the same few calls over and over (a model's layers) finds without building its key:
+        :func:`layouts` of every tensor and the key's hash cost more than this look-up."""
+        for filed, guard, replay in self._recent:
+            if filed == probe:
+                addresses = guard.addresses(inputs)
+                if addresses is not None:
+                    return replay.run(inputs, reuse_scratch=True, addresses=addresses, capturing=capturing)
+        return None
+
+    def _remember(self, probe, inputs, replay) -> None:
+        guard = LayoutGuard.make(inputs)
+        if guard is not None:
+            self._recent = [(probe, guard, replay), *self._recent[:self.RECENT - 1]]
 
     def get(self, key) -> Replay | None:
         """The replay of ``key``; None when there is none (yet, or ever: :meth:`run` knows)."""
@@ -475,12 +604,13 @@ class CallCache:
             self.clear()
         self._replays[key] = replay
 
-    def run(self, key, inputs, run, family=None):
+    def run(self, key, inputs, run, family=None, probe=None):
         """``run()`` (the full path of a call whose key had no replay): recorded under a
         :class:`Recorder` of ``inputs`` and kept as a replay when it can be one (also as the
-        replay of ``family`` when given); a call that cannot be replayed (the refusal does not
-        depend on addresses) is remembered, so later calls of its key run the full path without
-        recording. ``run`` returns a tuple of output tensors (None allowed), which is returned."""
+        replay of ``family`` when given, and for :meth:`quick` under ``probe`` when given); a call
+        that cannot be replayed (the refusal does not depend on addresses) is remembered, so later
+        calls of its key run the full path without recording. ``run`` returns a tuple of output
+        tensors (None allowed), which is returned."""
         if key in self._replays:  # refused before
             return run()
         with Recorder(inputs) as rec:
@@ -492,6 +622,8 @@ class CallCache:
             if replay is not None and family is not None:
                 base, detail = family
                 self._families.setdefault(base, {})[detail] = replay
+            if replay is not None and probe is not None:
+                self._remember(probe, inputs, replay)
         return outputs
 
     def has_family(self, base) -> bool:
@@ -501,10 +633,11 @@ class CallCache:
         except TypeError:  # an unhashable key: never filed
             return False
 
-    def rebound(self, key, family, inputs, rebind):
+    def rebound(self, key, family, inputs, rebind, probe=None):
         """The outputs of the replay of ``family`` rebound to this call by ``rebind(replay) ->
-        Replay | None`` and run on ``inputs``; None when the family has no replay or ``rebind``
-        declines (then the caller takes the full path, :meth:`run` with ``family``)."""
+        Replay | None`` and run on ``inputs`` (and kept for :meth:`quick` under ``probe`` when
+        given); None when the family has no replay or ``rebind`` declines (then the caller takes
+        the full path, :meth:`run` with ``family``)."""
         base, detail = family
         try:
             recorded = self._families.get(base, {}).get(detail)
@@ -514,11 +647,14 @@ class CallCache:
         if replay is None:
             return None
         self._file(key, replay)
+        if probe is not None:
+            self._remember(probe, inputs, replay)
         return replay.run(inputs, reuse_scratch=True)
 
     def clear(self) -> None:
         self._replays.clear()
         self._families.clear()
+        self._recent = []
         self.notes.clear()
 
     def __len__(self) -> int:
