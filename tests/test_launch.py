@@ -322,7 +322,7 @@ def _layout_variants(q, k, v):
     def fresh(x):
         return torch.randn_like(x)
 
-    def offset(x):  # the same layout at an address 2 bytes further: another alignment
+    def offset(x):  # the same layout one element further: another alignment
         return torch.randn(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
 
     return {
@@ -378,6 +378,31 @@ def test_a_layout_guard_is_not_made_where_it_cannot_stand_in_and_keeps_no_tensor
     assert _launch.LayoutGuard.make((x.clone().requires_grad_(), y)) is None
     assert _launch.LayoutGuard.make((None, None)) is None
     assert _launch.LayoutGuard.make((torch.nn.Parameter(x), y)) is None  # a subclass: layouts() keys it
+    assert _launch.LayoutGuard.make((x, y, x.view(8, 4))) is None  # one address, two layouts
+    assert _launch.LayoutGuard.make((x, y, x.view(torch.int32))) is None
+    assert _launch.LayoutGuard.make((x.to_sparse(), y)) is None
     guard, alive = _launch.LayoutGuard.make((x, y)), weakref.ref(x)
     del x
     assert alive() is None and guard.addresses((torch.randn(4, 8), y)) is not None
+
+
+def test_a_layout_guard_answers_none_for_a_nested_tensor_without_reaching_the_cpp_guards():
+    """The C++ guards read a nested tensor's strides, which aborts the process: the guard turns it
+    away first (validation then names it)."""
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    guard = _launch.LayoutGuard.make((x, y))
+    nested = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(2, 4)])
+    assert guard.addresses((nested, y)) is None and guard.addresses((x, nested)) is None
+
+
+def test_the_recent_calls_look_up_answers_none_for_arguments_that_are_no_scalars():
+    """A probe that holds an array (a bad ``softmax_scale`` or ``window_size``) finds nothing,
+    without the error of comparing it: validation names the argument."""
+    import numpy as np
+
+    x = torch.randn(4, 8)
+    cache = _launch.CallCache()
+    cache._recent = [(("fwd", (0.5,), (float,), None), _launch.LayoutGuard.make((x,)), "replay")]
+    for scalar in (torch.tensor([1.0, 2.0]), np.array([4, 0])):
+        assert cache.quick(("fwd", (scalar,), (type(scalar),), None), (x,)) is None
+        assert cache.quick(("fwd", (0.5,), (float,), scalar), (x,)) is None

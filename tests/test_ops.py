@@ -888,6 +888,38 @@ def test_replays_allocate_through_the_direct_allocator_as_the_full_path_would_gp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("plan_mode", ["normal", "inference"])
+def test_plan_runs_and_repeated_calls_take_the_quick_path_in_either_inference_mode_gpu(monkeypatch, plan_mode):
+    """After a run in each inference mode, planned runs (and ``out=``) are served by the guards'
+    path (``_Plan._replayed``) without the layout comparison of ``_Plan._run``, whichever mode the
+    plan was made in; repeated eager calls likewise without building their key."""
+    from flashkernel import plans
+
+    slow, run = [], plans._Plan._run
+    monkeypatch.setattr(plans._Plan, "_run", lambda self, *args, **kwargs: slow.append(1) or run(self, *args, **kwargs))
+    built, key = [], interface._key
+    monkeypatch.setattr(interface, "_key", lambda *args: built.append(1) or key(*args))
+    layers = [_cache_inputs(8, 1024, 8, 32, 128, torch.bfloat16, 1, (1000, 0, 17, 513, 3, 64, 65, 999))
+              for _ in range(3)]
+    q0, kc0, vc0, _, _, seqlens = layers[0]
+    with torch.inference_mode(plan_mode == "inference"):
+        plan = flashkernel.DecodePlan(q0, kc0, vc0, cache_seqlens=seqlens)
+    for mode in (False, True, False, True):
+        with torch.inference_mode(mode):
+            for q, k_cache, v_cache, _, _, _ in layers:
+                want = _full_path(flashkernel.flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens)
+                slow.clear()
+                built.clear()
+                for _ in range(2):
+                    assert torch.equal(plan.run(q, k_cache, v_cache), want)
+                    out = torch.full_like(q, float("nan"))
+                    assert plan.run(q, k_cache, v_cache, out=out) is out and torch.equal(out, want)
+                    assert torch.equal(flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+                                       want)
+            assert not slow and len(built) <= 1  # the last layer's calls: all quick
+
+
+@pytest.mark.gpu
 def test_a_replay_keeps_no_tensor_of_its_calls_alive_gpu():
     import gc
     import weakref

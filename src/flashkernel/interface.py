@@ -79,16 +79,16 @@ def _lookup(name: str, scalars: tuple, window_size, tensors, by_capture: bool = 
     if results is not None or not _eager(tensors):
         return results, None, None
     key = _key(probe, tensors)
-    return _replay(key, tensors), probe, key
+    return _replay(key, probe, tensors), probe, key
 
 
-def _replay(key, tensors):
+def _replay(key, probe, tensors):
     """The outputs of a replayed earlier call of the same key, or None (no such call, no key, or
     a key that cannot be hashed)."""
     if key is None:
         return None
     try:
-        replay = _EAGER_CALLS.get(key)
+        replay = _EAGER_CALLS.get_noted(key, probe, tensors)
     except TypeError:
         return None
     return None if replay is None else replay.run(tensors, reuse_scratch=True)

@@ -26,7 +26,6 @@ the same arguments.
 
 from __future__ import annotations
 
-
 import torch
 
 from . import _checks, interface, ops
@@ -74,9 +73,10 @@ class _Plan:
         self._key = layouts(examples)
         self._calls = CallCache(max_entries=2)  # recorded eagerly and under CUDA-graph capture
         # The per-run check in one C++ call where it can stand in for comparing layouts (run's
-        # fast path); the same for ``out``, made from the first output a replay wrote directly.
-        self._guard = LayoutGuard.make(examples) if examples[0].is_cuda else None
-        self._out_guard = None
+        # fast path), by inference mode (LayoutGuard); the same for ``out``, made from the first
+        # output a replay wrote directly.
+        self._guards = {torch.is_inference_mode_enabled(): LayoutGuard.make(examples)} if examples[0].is_cuda else {}
+        self._out_guards = {}
         self._out_bytes = examples[0].numel() * examples[0].element_size()
 
     def _keep(self, names, tensors) -> None:
@@ -110,8 +110,8 @@ class _Plan:
         if name is not None:
             raise ValueError(f"out overlaps {name}: pass an output that shares no memory with the inputs")
         direct = contiguous and start % 16 == 0
-        if direct and self._out_guard is None:
-            self._out_guard = LayoutGuard.make((out,))
+        if direct and out.is_cuda and torch.is_inference_mode_enabled() not in self._out_guards:
+            self._out_guards[torch.is_inference_mode_enabled()] = LayoutGuard.make((out,))
         return direct
 
     def _overlapped(self, start: int, end: int, addresses) -> str | None:
@@ -130,7 +130,9 @@ class _Plan:
         must take :meth:`_run`'s path (which raises what is wrong, if anything is)."""
         if torch.compiler.is_compiling():
             return None
-        addresses = self._guard.addresses(tensors)
+        mode = torch.is_inference_mode_enabled()
+        guard = self._guards.get(mode)
+        addresses = None if guard is None else guard.addresses(tensors)
         if addresses is None:
             return None
         capturing = stream_capturing()
@@ -139,7 +141,8 @@ class _Plan:
             return None
         outputs = None
         if out is not None:
-            out_address = None if self._out_guard is None else self._out_guard.addresses((out,))
+            out_guard = self._out_guards.get(mode)
+            out_address = None if out_guard is None else out_guard.addresses((out,))
             if out_address is None or self._overlapped(out_address[0], out_address[0] + self._out_bytes,
                                                        addresses) is not None:
                 return None
@@ -167,6 +170,8 @@ class _Plan:
             return _into(out, call())
         # Capture is part of the key, as for every recorded call: dispatch may choose other
         # launches under capture (e.g. a split step's merge, kernels/decode.py merges_in_kernel).
+        if torch.is_inference_mode_enabled() not in self._guards:  # the plan was made in the other mode
+            self._guards[torch.is_inference_mode_enabled()] = LayoutGuard.make(tensors)
         capturing = stream_capturing()
         replay = self._calls.get(capturing)
         if replay is None:
@@ -229,7 +234,7 @@ class DecodePlan(_Plan):
                 self._check_out(out, tensors)
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
-            results = None if self._guard is None else self._replayed(tensors, self._fixed, out)
+            results = self._replayed(tensors, self._fixed, out)
             if results is None:
                 ops.check_no_grad("kvcache_fwd", (("q", q), ("k", k), ("v", v)), "DecodePlan.run")
                 results = self._run(tensors, self._fixed, lambda: ops.kvcache_fwd_impl(
@@ -277,7 +282,7 @@ class VarlenPlan(_Plan):
                 self._check_out(out, (q, k, v))
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
-            results = None if self._guard is None else self._replayed((q, k, v), self._fixed, out)
+            results = self._replayed((q, k, v), self._fixed, out)
             if results is None:
                 ops.check_no_grad("varlen_fwd", (("q", q), ("k", k), ("v", v)), "VarlenPlan.run")
                 results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args), out)

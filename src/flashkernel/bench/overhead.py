@@ -17,7 +17,7 @@ cuDNN backend's eager call, its backend chosen once outside the timed calls):
 * ``host_us``: host time per call: the same loop, not synchronised (launches are asynchronous;
   600 launches stay below the launch queue's depth);
 * ``gpu_us``: GPU time per call, from CUDA-graph replays of 20 calls (no host at all);
-* decode and append steps also: ``host_paired_us``, host time per call from 15 rounds in which
+* decode, append and prefill calls also: ``host_paired_us``, host time per call from 15 rounds in which
   every provider of the step and cuDNN's call take turns (a 200-call unsynchronised loop each),
   and ``host_vs_cudnn``, the median over the rounds of the provider's time over cuDNN's in the
   same round: host time drifts between loops on these hosts by more than the differences measured,
@@ -317,14 +317,18 @@ def prefill_rows(label: str) -> list[dict]:
 
 
 def prefill_provider_rows(workload: str, label: str, providers: dict, **shape) -> list[dict]:
-    """One row of :func:`measure` per provider of a prefill call (SDPA's under its cuDNN backend)."""
+    """One row of :func:`measure` per provider of a prefill call (SDPA's under its cuDNN backend),
+    with its host time paired with cuDNN's call (:func:`paired_host_us`)."""
     rows = []
     for name, fn in providers.items():
         context = cudnn_context if name == "sdpa_cudnn" else contextlib.nullcontext
-        row = dict(workload=workload, label=label, provider=name, **shape, **measure(fn, context))
+        rows.append(dict(workload=workload, label=label, provider=name, **shape, **measure(fn, context)))
+    paired = paired_host_us(providers, providers["sdpa_cudnn"])
+    for row in rows:
+        row["host_paired_us"], row["host_vs_cudnn"] = paired[row["provider"]]
         print(f"{workload} b={shape['batch']:2d} d={shape['head_dim']:3d} s={shape['seqlen']:4d} "
-              f"{'causal' if shape['causal'] else 'full  '} {name:22s} " + cells(row), flush=True)
-        rows.append(row)
+              f"{'causal' if shape['causal'] else 'full  '} {row['provider']:22s} " + cells(row)
+              + f" host/cuDNN {row['host_vs_cudnn']:5.2f}", flush=True)
     return rows
 
 

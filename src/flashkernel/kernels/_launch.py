@@ -366,8 +366,8 @@ class Replay:
         ``torch.compile``'s CUDA graphs want no buffer of theirs kept alive).
         """
         if _current_device() != self.device:
-            with torch.cuda.device(self.device):
-                return self.run(inputs, reuse_scratch, outputs, addresses, capturing)
+            with torch.cuda.device(self.device):  # the capture state asked again: that device's stream's
+                return self.run(inputs, reuse_scratch, outputs, addresses, None)
         if reuse_scratch and self.scratch:
             # Threads launching on one stream share its temporaries, so one run's launches are all
             # issued before another run's begin: else a second run's split kernel could overwrite
@@ -467,29 +467,39 @@ class LayoutGuard:
     compiled frames check their inputs with), then in Python the addresses' alignments and which
     of them are equal. :meth:`addresses` stands for ``layouts(tensors) == layouts(examples)``
     where it answers. :meth:`make` gives None where it cannot stand in: a build of PyTorch without
-    the guards, no tensor, an example that wants a gradient.
+    the guards, no tensor, a tensor that is not a plain strided one or wants a gradient, two slots
+    at one address that do not hold one tensor.
+
+    The C++ guards also compare the dispatch keys a tensor has under the thread's state when they
+    check it: a guard made outside ``torch.inference_mode()`` answers None inside it, and the
+    other way round (callers keep one per mode).
     """
 
     __slots__ = ("_check", "_checked", "_alignments", "_same", "_distinct")
 
     def __init__(self, check, checked, examples):
         self._check, self._checked = check, checked
-        self._alignments = tuple(None if x is None else x.data_ptr() & 15 for x in examples)
         addresses = [None if x is None else x.data_ptr() for x in examples]
+        self._alignments = tuple(None if a is None else a & 15 for a in addresses)
         self._same = tuple((i, addresses.index(a)) for i, a in enumerate(addresses)
                            if a is not None and addresses.index(a) != i)  # (slot, first slot at its address)
         self._distinct = len(set(addresses))
 
     @classmethod
     def make(cls, examples) -> LayoutGuard | None:
+        present = [x for x in examples if x is not None]
+        if _TensorGuards is None or not present or any(
+                type(x) is not torch.Tensor or x.is_nested or x.layout is not torch.strided or x.requires_grad
+                for x in present):
+            return None
         # The C++ guards refuse one object twice: a slot at an earlier slot's address is checked
-        # by being that slot's tensor (the one ``cu_seqlens`` for queries and keys).
+        # by holding that slot's tensor (the one ``cu_seqlens`` for queries and keys), so the
+        # examples must hold one tensor there too.
         addresses = [None if x is None else x.data_ptr() for x in examples]
         checked = tuple(i for i, a in enumerate(addresses) if a is not None and addresses.index(a) == i)
-        tensors = [examples[i] for i in checked]
-        if _TensorGuards is None or not tensors or any(type(x) is not torch.Tensor or x.requires_grad
-                                                       for x in examples if x is not None):
+        if any(examples[i] is not examples[addresses.index(a)] for i, a in enumerate(addresses) if a is not None):
             return None
+        tensors = [examples[i] for i in checked]
         try:
             guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(x.shape) for x in tensors],
                                   dynamic_dims_strides=[list(x.stride()) for x in tensors])
@@ -501,13 +511,22 @@ class LayoutGuard:
 
     def addresses(self, tensors) -> list | None:
         """``tensors``' addresses (None for None) when they have the examples' layouts: None in the
-        same places, equal addresses in the same places; else None (and the caller compares
+        same places, one tensor where they had one address; else None (and the caller compares
         :func:`layouts`)."""
         try:
-            if len(tensors) != len(self._alignments) or not self._check(*[tensors[i] for i in self._checked]):
+            if len(tensors) != len(self._alignments):
                 return None
-        except TypeError:  # a missing or non-tensor argument
+            checked = [tensors[i] for i in self._checked]
+            for x in checked:
+                if x.is_nested:  # the C++ guards read a nested tensor's strides, which aborts
+                    return None
+            if not self._check(*checked):
+                return None
+        except (AttributeError, TypeError, RuntimeError):  # a missing or non-tensor argument
             return None
+        for i, j in self._same:
+            if tensors[i] is not tensors[j]:
+                return None
         addresses = []
         for x, alignment in zip(tensors, self._alignments):
             if x is None:
@@ -525,9 +544,6 @@ class LayoutGuard:
         # address: the same partition of the slots.
         if len(set(addresses)) != self._distinct:
             return None
-        for i, j in self._same:
-            if tensors[i] is not tensors[j]:
-                return None
         return addresses
 
 
@@ -573,6 +589,7 @@ class CallCache:
         self._replays: dict = {}
         self._families: dict = {}
         self._recent: list = []  # (probe, LayoutGuard, replay) of the latest filed replays, newest first
+        self._guarded: set = set()  # (id(replay), inference mode) that _recent got an entry for
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
@@ -583,13 +600,26 @@ class CallCache:
         makes the same few calls over and over (a model's layers) finds without building its key:
         :func:`layouts` of every tensor and the key's hash cost more than this look-up."""
         for filed, guard, replay in self._recent:
-            if filed == probe:
+            try:
+                same = filed == probe
+            except Exception:  # noqa: BLE001 - an argument that is no scalar (an array): validation names it
+                return None
+            if same:
                 addresses = guard.addresses(inputs)
                 if addresses is not None:
                     return replay.run(inputs, reuse_scratch=True, addresses=addresses, capturing=capturing)
         return None
 
+    def get_noted(self, key, probe, inputs) -> Replay | None:
+        """:meth:`get`, and a replay found there that :meth:`quick` has no guard for under the
+        current inference mode (its guard was made under the other) gets one, once per mode."""
+        replay = self.get(key)
+        if replay is not None and (id(replay), torch.is_inference_mode_enabled()) not in self._guarded:
+            self._remember(probe, inputs, replay)
+        return replay
+
     def _remember(self, probe, inputs, replay) -> None:
+        self._guarded.add((id(replay), torch.is_inference_mode_enabled()))
         guard = LayoutGuard.make(inputs)
         if guard is not None:
             self._recent = [(probe, guard, replay), *self._recent[:self.RECENT - 1]]
@@ -655,6 +685,7 @@ class CallCache:
         self._replays.clear()
         self._families.clear()
         self._recent = []
+        self._guarded.clear()
         self.notes.clear()
 
     def __len__(self) -> int:
