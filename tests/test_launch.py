@@ -406,3 +406,179 @@ def test_the_recent_calls_look_up_answers_none_for_arguments_that_are_no_scalars
     for scalar in (torch.tensor([1.0, 2.0]), np.array([4, 0])):
         assert cache.quick(("fwd", (scalar,), (type(scalar),), None), (x,)) is None
         assert cache.quick(("fwd", (0.5,), (float,), scalar), (x,)) is None
+
+
+# ---- the C launcher against a stub driver ------------------------------------------------------
+
+_STUB_DRIVER = r"""
+#include <stdint.h>
+static uint64_t params[64];
+static int nparams = 0, launches = 0;
+int cuGetErrorString(int err, const char **msg) { *msg = "stub"; return 0; }
+int cuCtxGetCurrent(void **ctx) { *ctx = (void *)1; return 0; }
+int cuTensorMapEncodeTiled(void *map, int a, unsigned b, void *c, void *d, void *e, void *f, void *g, int h, int i,
+                           int j, int k) { return 0; }
+int cuTensorMapReplaceAddress(void *map, void *address) { *(void **)map = address; return 0; }
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned shared, void *stream, void **kernel_params, void **extra) {
+  for (int i = 0; i < nparams; i++) params[i] = *(uint64_t *)kernel_params[i];
+  launches++;
+  return 0;
+}
+void stub_expect(int n) { nparams = n; }
+int stub_launches(void) { return launches; }
+uint64_t stub_param(int i) { return params[i]; }
+"""
+
+
+@pytest.fixture(scope="module")
+def stub_native(tmp_path_factory):
+    """``_native``'s C module built against a stub CUDA driver that records the parameters of
+    each launch (machines without a driver: on one with a GPU the real driver's symbols could be
+    the ones bound). Returns ``(module, stub)``, the stub a ``ctypes`` library."""
+    import ctypes
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from triton.backends.nvidia import driver as nvidia
+
+    from flashkernel.kernels import _native
+
+    if torch.cuda.is_available() or shutil.which("gcc") is None:
+        pytest.skip("needs a C compiler and no CUDA driver")
+    where = tmp_path_factory.mktemp("stub")
+    (where / "stub.c").write_text(_STUB_DRIVER)
+    (where / "launch.c").write_text(_native._SOURCE)
+    subprocess.check_call(["gcc", "-shared", "-fPIC", "-o", str(where / "libstubcuda.so"), str(where / "stub.c"),
+                           "-Wl,-soname,libstubcuda.so"])
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    subprocess.check_call(["gcc", "-O2", "-shared", "-fPIC", "-o", str(where / f"flashkernel_launch{suffix}"),
+                           str(where / "launch.c"), *(f"-I{d}" for d in nvidia.include_dirs),
+                           f"-I{sysconfig.get_paths()['include']}", f"-L{where}", "-lstubcuda",
+                           f"-Wl,-rpath,{where}"])
+    stub = ctypes.CDLL(str(where / "libstubcuda.so"))
+    stub.stub_param.restype = ctypes.c_uint64
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flashkernel_launch", where / f"flashkernel_launch{suffix}")
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    from torch._C._dynamo.guards import _torchinductor_pyobject_tensor_data_ptr as data_ptr
+    x = torch.empty(3)
+    assert native.setup(data_ptr, torch.Tensor, x) == x.data_ptr()
+    return native, stub
+
+
+def _one_launch(native, stub, sources):
+    """A launch whose parameters are the addresses of ``sources`` (8 bytes past each)."""
+    stub.stub_expect(len(sources))
+    slots = tuple((param, source, 8) for param, source in enumerate(sources))
+    return native.make(1, 1, 1, 1, 128, 0, bytes(8 * len(sources)), slots, ())
+
+
+def _checked_run(native, stub, guard, tensors, fixed=(), buffers=()):
+    """``checked_run`` of one launch taking every address; the addresses it launched with, or None
+    (then ``buffers`` were not asked for)."""
+    sources = [j for j, x in enumerate((*tensors, *fixed, *buffers)) if x is not None]
+    launch, asked = _one_launch(native, stub, sources), []
+    before = stub.stub_launches()
+    ran = native.checked_run(guard, tuple(tensors), tuple(fixed), lambda *args: asked.append(args) or list(buffers),
+                             7, False, (launch,), None)
+    assert stub.stub_launches() == before + (ran is not None)
+    assert asked == ([(7, False, None)] if ran is not None else []) and (ran is None or ran == list(buffers))
+    return [stub.stub_param(i) - 8 for i in range(len(sources))] if ran is not None else None
+
+
+def _c_guard(native, examples):
+    guard = _launch.LayoutGuard.make(examples)
+    return native.guard(guard._check, guard._alignments, guard._checked, guard._same,
+                        guard._distinct - (None in guard._alignments))
+
+
+@pytest.mark.parametrize("variant", list(_layout_variants(*(torch.randn(2, 3, 4) for _ in range(3)))))
+def test_the_c_launchers_checked_run_answers_as_the_layout_guard(stub_native, variant):
+    """``checked_run`` launches exactly when ``LayoutGuard.addresses`` answers, with those addresses
+    (then the fixed tensors' and the buffers'), and launches nothing otherwise."""
+    native, stub = stub_native
+    q, k, v = torch.randn(2, 1, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    guard = _c_guard(native, (q, k, v, None))
+    tensors = _layout_variants(q, k, v)[variant]
+    fixed, buffers = (torch.zeros(2, dtype=torch.int32), None), [None, torch.empty(5)]
+    launched = _checked_run(native, stub, guard, tensors, fixed, buffers)
+    expected = _launch.LayoutGuard.make((q, k, v, None)).addresses(tensors)
+    if expected is None:
+        assert launched is None
+    else:
+        assert launched == [a for a in expected if a is not None] + [fixed[0].data_ptr(), buffers[1].data_ptr()]
+
+
+def test_the_c_launchers_checked_run_tells_apart_shared_addresses_and_nested_tensors(stub_native):
+    native, stub = stub_native
+    x, y, z = (torch.randn(4, 8) for _ in range(3))
+    guard = _c_guard(native, (x, y, x, None))
+    for call in ((x, y, x, None), (y, x, y, None), (z, y, z, None)):
+        assert _checked_run(native, stub, guard, call) == [call[0].data_ptr(), call[1].data_ptr(),
+                                                           call[0].data_ptr()]
+    for call in ((x, y, z, None), (x, x, x, None), (x, y, y, None), (x, y, x.view(4, 8), None)):
+        assert _checked_run(native, stub, guard, call) is None
+    nested = torch.nested.nested_tensor([torch.randn(4, 8), torch.randn(2, 8)])
+    assert _checked_run(native, stub, _c_guard(native, (x, y)), (nested, y)) is None
+    assert _checked_run(native, stub, _c_guard(native, (x, y)), (x, nested)) is None
+
+
+def test_the_c_launchers_checked_run_raises_for_what_only_a_bug_passes(stub_native):
+    native, stub = stub_native
+    x = torch.randn(4, 8)
+    guard, launch = _c_guard(native, (x,)), _one_launch(native, stub, [0, 1])
+    with pytest.raises(TypeError, match="not a tensor"):
+        native.checked_run(guard, (x,), (3,), lambda *args: [], 0, False, (launch,), None)
+    with pytest.raises(IndexError, match="missing address"):
+        native.checked_run(guard, (x,), (None,), lambda *args: [], 0, False, (launch,), None)
+    with pytest.raises(TypeError, match="must return a list"):
+        native.checked_run(guard, (x,), (x,), lambda *args: (), 0, False, (launch,), None)
+
+    def out_of_memory(*args):
+        raise MemoryError
+
+    with pytest.raises(MemoryError):  # an allocation's error reaches the caller
+        native.checked_run(guard, (x,), (x,), out_of_memory, 0, False, (launch,), None)
+    with pytest.raises(ValueError, match="incorrect name"):
+        native.checked_run(launch, (x,), (), lambda *args: [], 0, False, (launch,), None)  # a launch for the guard
+
+
+def test_the_c_launchers_checked_run_into_an_output_checks_it_as_a_plan_does(stub_native, monkeypatch):
+    """With an output, ``checked_run`` also asks the output's guard, its 16-byte alignment and that
+    it overlaps no input (by extent) and no held span; the output is passed to ``buffers_for``."""
+    native, stub = stub_native
+    monkeypatch.setattr(_launch._native, "checking_module", lambda: native)
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 16, 8)
+    pool = torch.empty(4 + q.numel())
+    held = pool[:4].view(torch.int32)
+    out0 = torch.empty_like(q)
+    guard, out_guard = _launch.LayoutGuard.make((q, k, None)), _launch.LayoutGuard.make((out0,))
+    extents = (q.numel() * 4, k.numel() * 4, None)
+    c_guard = guard.native_form((out_guard, q.numel() * 4, extents, ((held.data_ptr(), 16),)))
+    launch = _one_launch(native, stub, [0, 1, 3, 4])
+
+    def run(tensors, out):
+        asked = []
+        ran = native.checked_run(c_guard, tensors, (held,), lambda *args: asked.append(args) or [out], 0, False,
+                                 (launch,), None, out)
+        assert asked == ([(0, False, out)] if ran is not None else [])
+        return ran is not None and [stub.stub_param(i) for i in range(4)] == [
+            x.data_ptr() + 8 for x in (*tensors[:2], held, out)]
+
+    assert run((q, k, None), torch.empty_like(q)) and run((torch.randn_like(q), k, None), out0)
+    big = torch.empty(2 * q.numel() + 4)
+    for bad_out in (k[:, :4], q, torch.empty_like(q, dtype=torch.float64), big[1:q.numel() + 1].view_as(q),
+                    torch.empty_like(q).transpose(0, 1).contiguous().transpose(0, 1), pool[:q.numel()].view_as(q)):
+        assert not run((q, k, None), bad_out)
+    assert run((q, k, None), pool[4:].view_as(q))  # just past the held tensor
+    inside = torch.empty(k.numel() + q.numel() + 4)  # out just past k's last element: no overlap
+    assert run((q, inside[:k.numel()].view_as(k), None), inside[k.numel():-4].view_as(q))
+    k_after = inside[q.numel():-4].view_as(k)
+    assert run((q, k_after, None), inside[:q.numel()].view_as(q))
+    assert not run((q, k_after, None), inside[4:q.numel() + 4].view_as(q))  # its last 16 bytes are k's first
+    with pytest.raises(TypeError, match="without an output check"):
+        native.checked_run(_c_guard(native, (q, k, None)), (q, k, None), (), lambda *a: [], 0, False, (launch,),
+                           None, out0)

@@ -899,6 +899,18 @@ def test_plan_runs_and_repeated_calls_take_the_quick_path_in_either_inference_mo
     monkeypatch.setattr(plans._Plan, "_run", lambda self, *args, **kwargs: slow.append(1) or run(self, *args, **kwargs))
     built, key = [], interface._key
     monkeypatch.setattr(interface, "_key", lambda *args: built.append(1) or key(*args))
+    native, checked = _launch._native.module(), []
+    assert native is not None and _launch._native.checking_module() is not None
+
+    class CountingChecks:  # the C launcher, counting its checked runs
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def checked_run(self, *args):
+            checked.append(1)
+            return native.checked_run(*args)
+
+    monkeypatch.setattr(_launch._native, "module", CountingChecks)
     layers = [_cache_inputs(8, 1024, 8, 32, 128, torch.bfloat16, 1, (1000, 0, 17, 513, 3, 64, 65, 999))
               for _ in range(3)]
     q0, kc0, vc0, _, _, seqlens = layers[0]
@@ -910,6 +922,7 @@ def test_plan_runs_and_repeated_calls_take_the_quick_path_in_either_inference_mo
                 want = _full_path(flashkernel.flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens)
                 slow.clear()
                 built.clear()
+                checked.clear()
                 for _ in range(2):
                     assert torch.equal(plan.run(q, k_cache, v_cache), want)
                     out = torch.full_like(q, float("nan"))
@@ -917,6 +930,7 @@ def test_plan_runs_and_repeated_calls_take_the_quick_path_in_either_inference_mo
                     assert torch.equal(flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
                                        want)
             assert not slow and len(built) <= 1  # the last layer's calls: all quick
+            assert len(checked) == 6 - len(built)  # plan.run, with out= too, and the quick eager calls: in C
 
 
 @pytest.mark.gpu

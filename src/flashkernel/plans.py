@@ -77,6 +77,7 @@ class _Plan:
         # output a replay wrote directly.
         self._guards = {torch.is_inference_mode_enabled(): LayoutGuard.make(examples)} if examples[0].is_cuda else {}
         self._out_guards = {}
+        self._native_out = {}  # by inference mode: the C launcher's form of both (LayoutGuard.native_form)
         self._out_bytes = examples[0].numel() * examples[0].element_size()
 
     def _keep(self, names, tensors) -> None:
@@ -132,26 +133,36 @@ class _Plan:
             return None
         mode = torch.is_inference_mode_enabled()
         guard = self._guards.get(mode)
-        addresses = None if guard is None else guard.addresses(tensors)
-        if addresses is None:
+        if guard is None:
             return None
         capturing = stream_capturing()
         replay = self._calls.get(capturing)
         if replay is None:
             return None
-        outputs = None
-        if out is not None:
-            out_guard = self._out_guards.get(mode)
-            out_address = None if out_guard is None else out_guard.addresses((out,))
-            if out_address is None or self._overlapped(out_address[0], out_address[0] + self._out_bytes,
-                                                       addresses) is not None:
-                return None
-            outputs = (out,)
+        if out is None:
+            return guard.run(replay, tensors, fixed, capturing)
+        out_guard = self._out_guards.get(mode)
+        if out_guard is None:
+            return None
+        if replay.native is not None:
+            native = self._native_out.get(mode, False)
+            if native is False:  # the guard's C form that checks out as _check_out does (made once per mode)
+                native = self._native_out[mode] = guard.native_form((
+                    out_guard, self._out_bytes, self._extents, tuple((start, size) for _, start, size in self._kept_spans)))
+            if native is not None:
+                results = replay.run_checked(native, tensors, fixed, capturing, out=out)
+                if results is not None:
+                    torch.autograd.graph.increment_version(out)  # written in place, as copy_ would have marked it
+                return results
+        addresses = guard.addresses(tensors)
+        out_address = None if addresses is None else out_guard.addresses((out,))
+        if out_address is None or self._overlapped(out_address[0], out_address[0] + self._out_bytes,
+                                                   addresses) is not None:
+            return None
         addresses += [None if x is None else x.data_ptr() for x in fixed]
-        results = replay.run((*tensors, *fixed), reuse_scratch=True, outputs=outputs, addresses=addresses,
+        results = replay.run((*tensors, *fixed), reuse_scratch=True, outputs=(out,), addresses=addresses,
                              capturing=capturing)
-        if out is not None:
-            torch.autograd.graph.increment_version(out)  # written in place, as copy_ would have marked it
+        torch.autograd.graph.increment_version(out)  # written in place, as copy_ would have marked it
         return results
 
     def _run(self, tensors, fixed, call, out=None):

@@ -377,6 +377,41 @@ class Replay:
                 return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
         return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
 
+    def run_checked(self, guard, tensors, fixed=(), capturing=None, out=None):
+        """:meth:`run` on ``(*tensors, *fixed)`` with ``reuse_scratch=True`` (and ``outputs=(out,)``
+        when ``out`` is given), where the C launcher first checks ``tensors`` (and ``out``) with
+        ``guard`` (a :meth:`LayoutGuard.native_form`) and reads every address itself: None when the
+        guard does not vouch for them (nothing allocated or launched). For replays through the C
+        launcher (``native`` not None)."""
+        if _current_device() != self.device:
+            with torch.cuda.device(self.device):  # the capture state asked again: that device's stream's
+                return self.run_checked(guard, tensors, fixed, None, out)
+        if self.scratch:  # one run's launches at a time per stream's temporaries: see run()
+            with self._scratch_lock:
+                return self._launch_checked(guard, tensors, fixed, capturing, out)
+        return self._launch_checked(guard, tensors, fixed, capturing, out)
+
+    def _launch_checked(self, guard, tensors, fixed, capturing, out):
+        allocated = _native.module().checked_run(guard, tensors, fixed, self._buffers, _raw_stream(self.device),
+                                                 capturing, self.native, self._storages, out)
+        if allocated is None:
+            return None
+        return tuple([None if j is None else allocated[j] for j in self.outputs])
+
+    def _buffers(self, stream: int, capturing, out=None) -> list:
+        """A checked run's buffers: the temporaries kept for ``stream`` (new ones under capture),
+        ``out`` for the first output when given and new other outputs, one per recorded allocation
+        (:meth:`_allocate` without the addresses)."""
+        if self.scratch and not (capturing or (capturing is None and stream_capturing())):
+            allocated = self._kept(stream)[0].copy()
+        else:
+            allocated = [None if i in self.outputs else _fresh(*allocation)
+                         for i, allocation in enumerate(self.allocations)]
+        for i, j in enumerate(self.outputs):
+            if j is not None:
+                allocated[j] = out if i == 0 and out is not None else _fresh(*self.allocations[j])
+        return allocated
+
     def _kept(self, stream: int) -> tuple[list, list]:
         """The temporaries kept for ``stream`` (made on its first run): the allocations with None
         for the outputs, and their addresses."""
@@ -475,7 +510,7 @@ class LayoutGuard:
     other way round (callers keep one per mode).
     """
 
-    __slots__ = ("_check", "_checked", "_alignments", "_same", "_distinct")
+    __slots__ = ("_check", "_checked", "_alignments", "_same", "_distinct", "_native")
 
     def __init__(self, check, checked, examples):
         self._check, self._checked = check, checked
@@ -484,6 +519,7 @@ class LayoutGuard:
         self._same = tuple((i, addresses.index(a)) for i, a in enumerate(addresses)
                            if a is not None and addresses.index(a) != i)  # (slot, first slot at its address)
         self._distinct = len(set(addresses))
+        self._native = False  # its C form (_native.make_guard), made on the first run through the C launcher
 
     @classmethod
     def make(cls, examples) -> LayoutGuard | None:
@@ -546,6 +582,37 @@ class LayoutGuard:
             return None
         return addresses
 
+    def native_form(self, output=None):
+        """This guard for the C launcher's ``checked_run`` (``_native.make_guard``), or None where
+        it cannot be made. ``output``: ``(guard, bytes, extents, spans)`` for runs into a caller's
+        output: the output's guard (of one 16-byte aligned tensor) and size, each slot's extent in
+        bytes and the ``(start, bytes)`` of tensors held for every run; the output may overlap none."""
+        if output is not None:
+            out_guard, size, extents, spans = output
+            if out_guard._alignments != (0,):
+                return None
+            output = (out_guard._check, size, extents, spans)
+        return _native.make_guard(self._check, self._alignments, self._checked, self._same,
+                                  self._distinct - (None in self._alignments), output)
+
+    def run(self, replay: Replay, tensors, fixed=(), capturing=None):
+        """``replay.run((*tensors, *fixed), reuse_scratch=True)`` when ``tensors`` have the examples'
+        layouts (as :meth:`addresses` says), else None (nothing launched). Where the replay runs
+        through the C launcher, the check, the addresses (of ``fixed`` too: tensors or None) and
+        the launches are one call into it (:meth:`Replay.run_checked`)."""
+        if replay.native is not None:
+            native = self._native
+            if native is False:
+                native = self._native = self.native_form()
+            if native is not None:
+                return replay.run_checked(native, tensors, fixed, capturing)
+        addresses = self.addresses(tensors)
+        if addresses is None:
+            return None
+        if fixed:
+            addresses += [None if x is None else x.data_ptr() for x in fixed]
+        return replay.run((*tensors, *fixed), reuse_scratch=True, addresses=addresses, capturing=capturing)
+
 
 try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -605,9 +672,9 @@ class CallCache:
             except Exception:  # noqa: BLE001 - an argument that is no scalar (an array): validation names it
                 return None
             if same:
-                addresses = guard.addresses(inputs)
-                if addresses is not None:
-                    return replay.run(inputs, reuse_scratch=True, addresses=addresses, capturing=capturing)
+                results = guard.run(replay, inputs, capturing=capturing)
+                if results is not None:
+                    return results
         return None
 
     def get_noted(self, key, probe, inputs) -> Replay | None:

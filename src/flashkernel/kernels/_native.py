@@ -30,6 +30,8 @@ import re
 import struct
 from typing import NamedTuple
 
+import torch
+
 ENABLED = os.environ.get("FLASHKERNEL_NATIVE_LAUNCH", "1") != "0"
 
 _SOURCE = r"""
@@ -166,16 +168,6 @@ static PyObject *make(PyObject *self, PyObject *args) {
   return capsule;
 }
 
-/* The address addresses[source] (an int) into *base; -1 with an exception when there is none. */
-static int address_at(PyObject *addresses, int source, unsigned long long *base) {
-  if (source < 0 || source >= PyList_GET_SIZE(addresses)) {
-    PyErr_SetString(PyExc_IndexError, "a launch parameter refers to a missing address");
-    return -1;
-  }
-  *base = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addresses, source));
-  return PyErr_Occurred() ? -1 : 0;
-}
-
 /* The parameters packed for launch k in storages (a tuple of bytes, one per launch) into l's
    buffer: replays that share a launch (other scalar values, the same kernel and grid) each write
    their own before launching. The GIL is held throughout a run, so no other run interleaves. */
@@ -194,6 +186,41 @@ static int restore_storage(Launch *l, PyObject *storages, Py_ssize_t k) {
   return 0;
 }
 
+/* Launch every capsule of `launches` with `addresses` (present[j]: whether source j has one). */
+static int launch_all(unsigned long long stream, const uint64_t *addresses, const char *present, Py_ssize_t n,
+                      PyObject *launches, PyObject *storages) {
+  CUcontext ctx;
+  if (cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
+    PyErr_SetString(PyExc_RuntimeError, "no current CUDA context");
+    return -1;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(launches); k++) {
+    Launch *l = (Launch *)PyCapsule_GetPointer(PyTuple_GET_ITEM(launches, k), "flashkernel.Launch");
+    if (!l || restore_storage(l, storages, k) != 0) return -1;
+    for (Py_ssize_t i = 0; i < l->nslots + l->nmaps; i++) {
+      int source = i < l->nslots ? l->slot_source[i] : l->map_source[i - l->nslots];
+      if (source < 0 || source >= n || !present[source]) {
+        PyErr_SetString(PyExc_IndexError, "a launch parameter refers to a missing address");
+        return -1;
+      }
+      if (i < l->nslots) {
+        uint64_t ptr = addresses[source] + (uint64_t)l->slot_offset[i];
+        memcpy(l->storage + 8 * l->slot_param[i], &ptr, 8);
+        continue;
+      }
+      CUresult err = cuTensorMapReplaceAddress(&l->maps[i - l->nslots], (void *)(uintptr_t)addresses[source]);
+      if (err != CUDA_SUCCESS) return cuda_error(err, "cuTensorMapReplaceAddress");
+    }
+    if (l->grid[0] * l->grid[1] * l->grid[2] == 0) continue;
+    CUresult err = cuLaunchKernel(l->function, l->grid[0], l->grid[1], l->grid[2], l->block, 1, 1, l->shared,
+                                  (CUstream)(uintptr_t)stream, l->params, NULL);
+    if (err != CUDA_SUCCESS) return cuda_error(err, "cuLaunchKernel");
+  }
+  return 0;
+}
+
+#define MAX_SOURCES 256
+
 /* run(stream, addresses: list of int or None, launches: tuple of capsules[, storages: tuple of
        bytes or None]) */
 static PyObject *run(PyObject *self, PyObject *args) {
@@ -201,42 +228,299 @@ static PyObject *run(PyObject *self, PyObject *args) {
   PyObject *addresses, *launches, *storages = Py_None;
   if (!PyArg_ParseTuple(args, "KO!O!|O", &stream, &PyList_Type, &addresses, &PyTuple_Type, &launches, &storages))
     return NULL;
-  CUcontext ctx;
-  if (cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
-    PyErr_SetString(PyExc_RuntimeError, "no current CUDA context");
+  Py_ssize_t n = PyList_GET_SIZE(addresses);
+  if (n > MAX_SOURCES) {
+    PyErr_SetString(PyExc_ValueError, "too many addresses for one run");
     return NULL;
   }
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(launches); k++) {
-    Launch *l = (Launch *)PyCapsule_GetPointer(PyTuple_GET_ITEM(launches, k), "flashkernel.Launch");
-    if (!l || restore_storage(l, storages, k) != 0) return NULL;
-    unsigned long long base;
-    for (Py_ssize_t i = 0; i < l->nslots; i++) {
-      if (address_at(addresses, l->slot_source[i], &base) != 0) return NULL;
-      uint64_t ptr = base + (uint64_t)l->slot_offset[i];
-      memcpy(l->storage + 8 * l->slot_param[i], &ptr, 8);
-    }
-    for (Py_ssize_t i = 0; i < l->nmaps; i++) {
-      if (address_at(addresses, l->map_source[i], &base) != 0) return NULL;
-      CUresult err = cuTensorMapReplaceAddress(&l->maps[i], (void *)(uintptr_t)base);
-      if (err != CUDA_SUCCESS) {
-        cuda_error(err, "cuTensorMapReplaceAddress");
-        return NULL;
-      }
-    }
-    if (l->grid[0] * l->grid[1] * l->grid[2] == 0) continue;
-    CUresult err = cuLaunchKernel(l->function, l->grid[0], l->grid[1], l->grid[2], l->block, 1, 1, l->shared,
-                                  (CUstream)(uintptr_t)stream, l->params, NULL);
-    if (err != CUDA_SUCCESS) {
-      cuda_error(err, "cuLaunchKernel");
-      return NULL;
+  uint64_t values[MAX_SOURCES];
+  char present[MAX_SOURCES];
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *item = PyList_GET_ITEM(addresses, j);
+    present[j] = item != Py_None;
+    if (present[j]) {
+      values[j] = PyLong_AsUnsignedLongLong(item);
+      if (PyErr_Occurred()) return NULL;
     }
   }
+  if (launch_all(stream, values, present, n, launches, storages) != 0) return NULL;
   Py_RETURN_NONE;
+}
+
+/* ---- runs checked in one call ------------------------------------------------------------
+   A guard (made by `guard`) holds what _launch.LayoutGuard checks per call: PyTorch's C++
+   tensor guard (its bound `check`), called with the first tensor at each address, then each
+   slot's None-ness and address alignment, which slots hold one tensor, and how many distinct
+   addresses there are. `checked_run` does all of it and the launches with the addresses read
+   here (PyTorch's exported data-pointer function, the one Inductor's C++ wrappers call). */
+
+static void *(*tensor_data_ptr)(PyObject *) = NULL;
+static PyTypeObject *tensor_type = NULL;
+static PyObject *is_nested_name = NULL;
+
+typedef struct {
+  PyObject *check;
+  Py_ssize_t nslots, nchecked, nsame, distinct;
+  int *alignment;           /* per slot: address & 15, or -1 where the examples had None */
+  int *checked;             /* the slots passed to check */
+  int *same;                /* pairs (slot, earlier slot holding the same tensor) */
+  /* runs into the caller's output (NULL out_check: none) */
+  PyObject *out_check;      /* the C++ guard's check of the output's layout */
+  unsigned long long out_bytes;
+  unsigned long long *extent; /* per slot: bytes from its address to one past its last element */
+  Py_ssize_t nspans;
+  unsigned long long *span;   /* pairs (start, bytes) of tensors the caller holds for every run */
+} Guard;
+
+static void guard_free_fields(Guard *g) {
+  Py_XDECREF(g->check);
+  Py_XDECREF(g->out_check);
+  free(g->alignment); free(g->checked); free(g->same); free(g->extent); free(g->span); free(g);
+}
+
+static void guard_free(PyObject *capsule) {
+  Guard *g = (Guard *)PyCapsule_GetPointer(capsule, "flashkernel.Guard");
+  if (g) guard_free_fields(g);
+}
+
+/* setup(data_ptr_function: int, tensor_type: type, example: tensor_type) -> the example's address
+   as read through the function (the caller compares it with example.data_ptr()) */
+static PyObject *setup(PyObject *self, PyObject *args) {
+  unsigned long long function;
+  PyObject *type, *example;
+  if (!PyArg_ParseTuple(args, "KO!O", &function, &PyType_Type, &type, &example)) return NULL;
+  if (!PyObject_TypeCheck(example, (PyTypeObject *)type)) {
+    PyErr_SetString(PyExc_TypeError, "setup: the example is not of the tensor type");
+    return NULL;
+  }
+  if (!is_nested_name && !(is_nested_name = PyUnicode_InternFromString("is_nested"))) return NULL;
+  Py_INCREF(type);
+  Py_XDECREF((PyObject *)tensor_type);
+  tensor_type = (PyTypeObject *)type;
+  tensor_data_ptr = (void *(*)(PyObject *))(uintptr_t)function;
+  return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)tensor_data_ptr(example));
+}
+
+/* guard(check, alignments: tuple of int or None, checked: tuple of int, same: tuple of (int, int),
+         distinct: number of distinct addresses among the examples' tensors[, out_check, out_bytes,
+         extents: tuple of int or None per slot, spans: tuple of (start, bytes)]) */
+static PyObject *guard(PyObject *self, PyObject *args) {
+  PyObject *check, *alignments, *checked, *same, *out_check = NULL, *extents = NULL, *spans = NULL;
+  Py_ssize_t distinct;
+  unsigned long long out_bytes = 0;
+  if (!PyArg_ParseTuple(args, "OO!O!O!n|OKO!O!", &check, &PyTuple_Type, &alignments, &PyTuple_Type, &checked,
+                        &PyTuple_Type, &same, &distinct, &out_check, &out_bytes, &PyTuple_Type, &extents,
+                        &PyTuple_Type, &spans))
+    return NULL;
+  if (out_check && (!extents || !spans)) {
+    PyErr_SetString(PyExc_TypeError, "guard: an output check needs the extents and spans");
+    return NULL;
+  }
+  Guard *g = (Guard *)calloc(1, sizeof(Guard));
+  if (!g) return PyErr_NoMemory();
+  g->nslots = PyTuple_GET_SIZE(alignments);
+  g->nchecked = PyTuple_GET_SIZE(checked);
+  g->nsame = PyTuple_GET_SIZE(same);
+  g->nspans = spans ? PyTuple_GET_SIZE(spans) : 0;
+  g->distinct = distinct;
+  g->out_bytes = out_bytes;
+  g->alignment = (int *)malloc(sizeof(int) * (g->nslots + 1));
+  g->checked = (int *)malloc(sizeof(int) * (g->nchecked + 1));
+  g->same = (int *)malloc(sizeof(int) * (2 * g->nsame + 1));
+  g->extent = (unsigned long long *)calloc(g->nslots + 1, sizeof(unsigned long long));
+  g->span = (unsigned long long *)malloc(sizeof(unsigned long long) * (2 * g->nspans + 1));
+  if (!g->alignment || !g->checked || !g->same || !g->extent || !g->span) {
+    guard_free_fields(g);
+    return PyErr_NoMemory();
+  }
+  int bad = g->nslots > MAX_SOURCES || g->nchecked > g->nslots
+            || (extents && PyTuple_GET_SIZE(extents) != g->nslots);
+  for (Py_ssize_t i = 0; i < g->nslots && !bad; i++) {
+    PyObject *item = PyTuple_GET_ITEM(alignments, i);
+    g->alignment[i] = item == Py_None ? -1 : (int)PyLong_AsLong(item);
+    item = extents ? PyTuple_GET_ITEM(extents, i) : Py_None;
+    if (item != Py_None) g->extent[i] = PyLong_AsUnsignedLongLong(item);
+  }
+  for (Py_ssize_t i = 0; i < g->nchecked && !bad; i++) {
+    g->checked[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(checked, i));
+    bad = g->checked[i] < 0 || g->checked[i] >= g->nslots;
+  }
+  for (Py_ssize_t i = 0; i < g->nsame && !bad; i++)
+    bad = !PyArg_ParseTuple(PyTuple_GET_ITEM(same, i), "ii", &g->same[2 * i], &g->same[2 * i + 1])
+          || g->same[2 * i] < 0 || g->same[2 * i] >= g->nslots || g->same[2 * i + 1] < 0
+          || g->same[2 * i + 1] >= g->nslots;
+  for (Py_ssize_t i = 0; i < g->nspans && !bad; i++)
+    bad = !PyArg_ParseTuple(PyTuple_GET_ITEM(spans, i), "KK", &g->span[2 * i], &g->span[2 * i + 1]);
+  if (bad || PyErr_Occurred()) {
+    guard_free_fields(g);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "guard: a slot index out of range");
+    return NULL;
+  }
+  Py_INCREF(check);
+  g->check = check;
+  Py_XINCREF(out_check);
+  g->out_check = out_check;
+  PyObject *capsule = PyCapsule_New(g, "flashkernel.Guard", guard_free);
+  if (!capsule) guard_free_fields(g);
+  return capsule;
+}
+
+/* 1 when `check` vouches for tensor x (a plain strided tensor of the checked layout), 0 when not,
+   -1 with an exception the caller must see. */
+static int tensor_passes(PyObject *check, PyObject *const *x, Py_ssize_t n) {
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (!PyObject_TypeCheck(x[i], tensor_type)) return 0;
+    /* the C++ guards read a nested tensor's strides, which aborts */
+    PyObject *nested = PyObject_GetAttr(x[i], is_nested_name);
+    if (!nested) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_RuntimeError)) return -1;
+      PyErr_Clear();
+      return 0;
+    }
+    int is_nested = PyObject_IsTrue(nested);
+    Py_DECREF(nested);
+    if (is_nested != 0) return is_nested < 0 ? -1 : 0;
+  }
+  PyObject *ok = PyObject_Vectorcall(check, x, (size_t)n, NULL);
+  if (!ok) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_TypeError)
+        && !PyErr_ExceptionMatches(PyExc_RuntimeError))
+      return -1;
+    PyErr_Clear();
+    return 0;
+  }
+  int passes = PyObject_IsTrue(ok);
+  Py_DECREF(ok);
+  return passes;
+}
+
+/* 1 when the guard vouches for `tensors`' layouts (not yet their addresses), 0 when not (a
+   non-tensor, a nested tensor, another layout: the caller's full path says what), -1 with an
+   exception the caller must see. */
+static int guard_passes(Guard *g, PyObject *tensors) {
+  if (PyTuple_GET_SIZE(tensors) != g->nslots) return 0;
+  PyObject *checked[MAX_SOURCES];
+  for (Py_ssize_t i = 0; i < g->nchecked; i++) checked[i] = PyTuple_GET_ITEM(tensors, g->checked[i]);
+  int passes = tensor_passes(g->check, checked, g->nchecked);
+  if (passes <= 0) return passes;
+  for (Py_ssize_t i = 0; i < g->nsame; i++)
+    if (PyTuple_GET_ITEM(tensors, g->same[2 * i]) != PyTuple_GET_ITEM(tensors, g->same[2 * i + 1])) return 0;
+  return 1;
+}
+
+/* 1 when `out` can take the run's output directly: the checked layout, a 16-byte aligned address
+   and no byte shared with an input (at addresses[]) or a held span; 0 when not, -1 on an error. */
+static int output_passes(Guard *g, PyObject *out, const uint64_t *addresses, const char *present) {
+  int passes = tensor_passes(g->out_check, &out, 1);
+  if (passes <= 0) return passes;
+  uint64_t start = (uint64_t)(uintptr_t)tensor_data_ptr(out), end = start + g->out_bytes;
+  if (start & 15) return 0;
+  for (Py_ssize_t i = 0; i < g->nslots; i++)
+    if (present[i] && g->extent[i] && addresses[i] < end && start < addresses[i] + g->extent[i]) return 0;
+  for (Py_ssize_t i = 0; i < g->nspans; i++)
+    if (g->span[2 * i + 1] && g->span[2 * i] < end && start < g->span[2 * i] + g->span[2 * i + 1]) return 0;
+  return 1;
+}
+
+/* Read the address of each item of `items` (a tuple or list of tensors or None) into
+   addresses[offset...]; -1 with TypeError for an item that is neither. */
+static int read_addresses(PyObject *items, uint64_t *addresses, char *present, Py_ssize_t offset) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  PyObject **item = PySequence_Fast_ITEMS(items);
+  if (offset + n > MAX_SOURCES) {
+    PyErr_SetString(PyExc_ValueError, "too many addresses for one run");
+    return -1;
+  }
+  for (Py_ssize_t j = 0; j < n; j++) {
+    present[offset + j] = item[j] != Py_None;
+    if (!present[offset + j]) continue;
+    if (!PyObject_TypeCheck(item[j], tensor_type)) {
+      PyErr_SetString(PyExc_TypeError, "checked_run: an address source that is not a tensor");
+      return -1;
+    }
+    addresses[offset + j] = (uint64_t)(uintptr_t)tensor_data_ptr(item[j]);
+  }
+  return 0;
+}
+
+/* checked_run(guard, tensors: tuple, fixed: tuple, buffers_for, stream: int, capturing, launches,
+               storages[, out]): if the guard vouches for `tensors` (and for `out`, when not None:
+   see output_passes), the run's buffers (`buffers_for(stream, capturing, out)`: a list of tensors
+   or None, allocated only then), launched as `run` with the addresses of tensors, then fixed,
+   then buffers; None (nothing launched) if not. */
+static PyObject *checked_run(PyObject *self, PyObject *args) {
+  PyObject *capsule, *tensors, *fixed, *buffers_for, *stream_object, *capturing, *launches, *storages;
+  PyObject *out = Py_None;
+  if (!PyArg_ParseTuple(args, "OO!O!OO!OO!O|O", &capsule, &PyTuple_Type, &tensors, &PyTuple_Type, &fixed,
+                        &buffers_for, &PyLong_Type, &stream_object, &capturing, &PyTuple_Type, &launches, &storages,
+                        &out))
+    return NULL;
+  if (!tensor_data_ptr) {
+    PyErr_SetString(PyExc_RuntimeError, "checked_run before setup");
+    return NULL;
+  }
+  Guard *g = (Guard *)PyCapsule_GetPointer(capsule, "flashkernel.Guard");
+  if (!g) return NULL;
+  if (out != Py_None && !g->out_check) {
+    PyErr_SetString(PyExc_TypeError, "checked_run: an output for a guard made without an output check");
+    return NULL;
+  }
+  unsigned long long stream = PyLong_AsUnsignedLongLong(stream_object);
+  if (PyErr_Occurred()) return NULL;
+  int passes = guard_passes(g, tensors);
+  if (passes <= 0) {
+    if (passes < 0) return NULL;
+    Py_RETURN_NONE;
+  }
+  uint64_t addresses[MAX_SOURCES];
+  char present[MAX_SOURCES];
+  Py_ssize_t distinct = 0;
+  for (Py_ssize_t i = 0; i < g->nslots; i++) {
+    PyObject *x = PyTuple_GET_ITEM(tensors, i);
+    present[i] = x != Py_None;
+    if (present[i] != (g->alignment[i] >= 0)) Py_RETURN_NONE;
+    if (!present[i]) continue;
+    if (!PyObject_TypeCheck(x, tensor_type)) Py_RETURN_NONE;
+    addresses[i] = (uint64_t)(uintptr_t)tensor_data_ptr(x);
+    if ((int)(addresses[i] & 15) != g->alignment[i]) Py_RETURN_NONE;
+    Py_ssize_t k = 0;
+    while (k < i && !(present[k] && addresses[k] == addresses[i])) k++;
+    distinct += k == i;
+  }
+  /* as many distinct addresses as the examples had, and one tensor where they had one address
+     (checked above): the same partition of the slots */
+  if (distinct != g->distinct) Py_RETURN_NONE;
+  if (out != Py_None) {
+    int fits = output_passes(g, out, addresses, present);
+    if (fits <= 0) {
+      if (fits < 0) return NULL;
+      Py_RETURN_NONE;
+    }
+  }
+  if (read_addresses(fixed, addresses, present, g->nslots) != 0) return NULL;
+  PyObject *call_args[3] = {stream_object, capturing, out};
+  PyObject *buffers = PyObject_Vectorcall(buffers_for, call_args, 3, NULL);
+  if (!buffers) return NULL;
+  if (!PyList_Check(buffers)) {
+    Py_DECREF(buffers);
+    PyErr_SetString(PyExc_TypeError, "checked_run: buffers_for must return a list");
+    return NULL;
+  }
+  Py_ssize_t n = g->nslots + PyTuple_GET_SIZE(fixed) + PyList_GET_SIZE(buffers);
+  if (read_addresses(buffers, addresses, present, g->nslots + PyTuple_GET_SIZE(fixed)) != 0
+      || launch_all(stream, addresses, present, n, launches, storages) != 0) {
+    Py_DECREF(buffers);
+    return NULL;
+  }
+  return buffers;
 }
 
 static PyMethodDef methods[] = {
   {"make", make, METH_VARARGS, "pack one launch"},
   {"run", run, METH_VARARGS, "patch addresses and launch"},
+  {"setup", setup, METH_VARARGS, "the tensor type and its data-pointer function"},
+  {"guard", guard, METH_VARARGS, "pack one layout guard"},
+  {"checked_run", checked_run, METH_VARARGS, "check a guard, read addresses, patch and launch"},
   {NULL, NULL, 0, NULL}
 };
 
@@ -262,6 +546,41 @@ def module():
                                        include_dirs=nvidia.include_dirs, libraries=nvidia.libraries)
     except Exception:  # noqa: BLE001 - any failure keeps Triton's launcher
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def checking_module():
+    """The C module set up for :func:`make_guard` and its ``checked_run`` (it reads tensors'
+    addresses through the data-pointer function PyTorch exports for Inductor's C++ wrappers,
+    checked here on one tensor), or None where the module or that function is missing."""
+    native = module()
+    try:
+        from torch._C._dynamo.guards import _torchinductor_pyobject_tensor_data_ptr as data_ptr
+    except ImportError:
+        return None
+    if native is None or not isinstance(data_ptr, int):
+        return None
+    example = torch.empty(3)
+    try:
+        if native.setup(data_ptr, torch.Tensor, example) != example.data_ptr():
+            return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return native
+
+
+def make_guard(check, alignments: tuple, checked: tuple, same: tuple, distinct: int, output=None):
+    """The C form of a ``_launch.LayoutGuard`` for ``checked_run``: its C++ ``check``, each slot's
+    address alignment (None: no tensor), the slots passed to ``check``, the pairs of slots that
+    hold one tensor, and how many distinct addresses the examples' tensors had; ``output``: for
+    runs into the caller's output, ``(check, bytes, extents, spans)``: the output's C++ check and
+    size, each slot's extent in bytes (None: no tensor) and the ``(start, bytes)`` of tensors held
+    for every run, none of which the output may overlap. None where :func:`checking_module` is
+    None."""
+    native = checking_module()
+    if native is None:
+        return None
+    return native.guard(check, alignments, checked, same, distinct, *(output or ()))
 
 
 # struct codes of one 8-byte parameter word per scalar type (the value, then zero padding)
