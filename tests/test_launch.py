@@ -521,6 +521,10 @@ def test_the_c_launchers_checked_run_tells_apart_shared_addresses_and_nested_ten
                                                            call[0].data_ptr()]
     for call in ((x, y, z, None), (x, x, x, None), (x, y, y, None), (x, y, x.view(4, 8), None)):
         assert _checked_run(native, stub, guard, call) is None
+    # one tensor and a view of it where the examples had two: only the count of distinct addresses
+    # tells them apart (the C++ check passes, the slots hold different objects)
+    assert _launch.LayoutGuard.make((x, y))._check(x, x.view(4, 8))
+    assert _checked_run(native, stub, _c_guard(native, (x, y)), (x, x.view(4, 8))) is None
     nested = torch.nested.nested_tensor([torch.randn(4, 8), torch.randn(2, 8)])
     assert _checked_run(native, stub, _c_guard(native, (x, y)), (nested, y)) is None
     assert _checked_run(native, stub, _c_guard(native, (x, y)), (x, nested)) is None
@@ -574,6 +578,12 @@ def test_the_c_launchers_checked_run_into_an_output_checks_it_as_a_plan_does(stu
                     torch.empty_like(q).transpose(0, 1).contiguous().transpose(0, 1), pool[:q.numel()].view_as(q)):
         assert not run((q, k, None), bad_out)
     assert run((q, k, None), pool[4:].view_as(q))  # just past the held tensor
+    assert not run((q, k, None), torch.empty_like(q).requires_grad_())
+    assert not run((q, k, None), torch.nested.nested_tensor([torch.randn(4, 8), torch.randn(2, 8)]))
+    before = torch.empty(q.numel() + 4)  # out ending where a held tensor starts: no overlap
+    c_guard = guard.native_form((out_guard, q.numel() * 4, extents, ((before[q.numel():].data_ptr(), 16),)))
+    assert run((q, k, None), before[:q.numel()].view_as(q))
+    assert not run((q, k, None), before[4:].view_as(q))
     inside = torch.empty(k.numel() + q.numel() + 4)  # out just past k's last element: no overlap
     assert run((q, inside[:k.numel()].view_as(k), None), inside[k.numel():-4].view_as(q))
     k_after = inside[q.numel():-4].view_as(k)
@@ -582,3 +592,63 @@ def test_the_c_launchers_checked_run_into_an_output_checks_it_as_a_plan_does(stu
     with pytest.raises(TypeError, match="without an output check"):
         native.checked_run(_c_guard(native, (q, k, None)), (q, k, None), (), lambda *a: [], 0, False, (launch,),
                            None, out0)
+
+
+def _stub_replay(monkeypatch, native, stub, sources):
+    """A replay (made without a GPU) of one launch taking ``sources``' addresses, whose two
+    allocations are a temporary (index 0) and the output (index 1), run through the stub
+    driver's C module on "device 0"."""
+    import threading
+
+    monkeypatch.setattr(_launch._native, "module", lambda: native)
+    monkeypatch.setattr(_launch._native, "checking_module", lambda: native)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: streams[-1])
+    monkeypatch.setattr(_launch, "stream_capturing", lambda: False)
+    streams = [7]
+    replay = object.__new__(_launch.Replay)
+    cpu = torch.device("cpu")
+    allocations = (((4,), torch.float32, cpu, False, (1,)), ((2, 3), torch.float16, cpu, False, (3, 1)))
+    replay.__dict__.update(device=0, num_inputs=3, outputs=(1,), scratch=(0,), _scratch_by_stream={},
+                           _scratch_lock=threading.Lock(), _storages=None, allocations=allocations,
+                           native=(_one_launch(native, stub, sources),))
+    return replay, streams
+
+
+def test_checked_runs_of_a_replay_keep_temporaries_per_stream_and_allocate_only_what_they_launch(stub_native,
+                                                                                                 monkeypatch):
+    """``LayoutGuard.run`` over a replay through the C launcher (stub driver): the launch takes the
+    inputs', the held tensor's, the kept temporary's and the new output's addresses; the temporary
+    is kept per stream (new ones under capture), the output is new per run, and a call the guard
+    turns away allocates nothing. Without the C checks, the Python path launches the same."""
+    native, stub = stub_native
+    replay, streams = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4, 5])  # q, k, held, temp, out
+    allocated, fresh = [], _launch._fresh
+    monkeypatch.setattr(_launch, "_fresh", lambda *args: allocated.append(args[0]) or fresh(*args))
+    q, k, held = torch.randn(2, 8), torch.randn(4, 8), torch.zeros(3, dtype=torch.int32)
+    guard = _launch.LayoutGuard.make((q, k, None))
+
+    def launched():
+        return [stub.stub_param(i) - 8 for i in range(5)]
+
+    outs, temps = [], []
+    for stream in (7, 7, 8, 7):
+        streams.append(stream)
+        (out,) = guard.run(replay, (torch.randn(2, 8), k, None), (held,))
+        assert out.shape == (2, 3) and out.dtype == torch.float16
+        outs.append(out)
+        temps.append(launched()[3])
+        assert launched()[2:] == [held.data_ptr(), temps[-1], out.data_ptr()]
+    assert temps[0] == temps[1] == temps[3] != temps[2] and len({o.data_ptr() for o in outs}) == 4
+    monkeypatch.setattr(_launch, "stream_capturing", lambda: True)
+    guard.run(replay, (q, k, None), (held,))
+    assert launched()[3] not in temps  # under capture: a new temporary
+    allocated.clear()
+    count = stub.stub_launches()
+    assert guard.run(replay, (q, q, None), (held,)) is None and not allocated and stub.stub_launches() == count
+    monkeypatch.setattr(_launch, "stream_capturing", lambda: False)
+    monkeypatch.setattr(_launch._native, "checking_module", lambda: None)
+    python_guard = _launch.LayoutGuard.make((q, k, None))
+    (out,) = python_guard.run(replay, (q, k, None), (held,))
+    assert python_guard._native is None and launched() == [q.data_ptr(), k.data_ptr(), held.data_ptr(), temps[0],
+                                                           out.data_ptr()]

@@ -151,8 +151,8 @@ class _Plan:
                     out_guard, self._out_bytes, self._extents, tuple((start, size) for _, start, size in self._kept_spans)))
             if native is not None:
                 results = replay.run_checked(native, tensors, fixed, capturing, out=out)
-                if results is not None:
-                    torch.autograd.graph.increment_version(out)  # written in place, as copy_ would have marked it
+                if results is not None:  # written in place: marked as copy_ would have marked it
+                    torch.autograd.graph.increment_version(out)
                 return results
         addresses = guard.addresses(tensors)
         out_address = None if addresses is None else out_guard.addresses((out,))

@@ -303,6 +303,8 @@ class Replay:
     def _native_launches(self):
         """The launches packed for the C launcher (``_native.py``), or None when one of them does
         not qualify (then every launch goes through Triton's launcher)."""
+        if self.num_inputs + len(self.allocations) > _native.MAX_SOURCES:
+            return None
         packed = []
         for compiled, launch in zip(self._compiled, self.launches):
             native = self._native_launch(compiled, launch)
@@ -598,8 +600,9 @@ class LayoutGuard:
     def run(self, replay: Replay, tensors, fixed=(), capturing=None):
         """``replay.run((*tensors, *fixed), reuse_scratch=True)`` when ``tensors`` have the examples'
         layouts (as :meth:`addresses` says), else None (nothing launched). Where the replay runs
-        through the C launcher, the check, the addresses (of ``fixed`` too: tensors or None) and
-        the launches are one call into it (:meth:`Replay.run_checked`)."""
+        through the C launcher, the check, the addresses (of ``fixed`` too: dense tensors the
+        caller has validated, or None) and the launches are one call into it
+        (:meth:`Replay.run_checked`)."""
         if replay.native is not None:
             native = self._native
             if native is False:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 ENABLED = os.environ.get("FLASHKERNEL_NATIVE_LAUNCH", "1") != "0"
+MAX_SOURCES = 256  # addresses per run (inputs and allocations): the C code's MAX_SOURCES
 
 _SOURCE = r"""
 #include "cuda.h"
@@ -170,7 +171,8 @@ static PyObject *make(PyObject *self, PyObject *args) {
 
 /* The parameters packed for launch k in storages (a tuple of bytes, one per launch) into l's
    buffer: replays that share a launch (other scalar values, the same kernel and grid) each write
-   their own before launching. The GIL is held throughout a run, so no other run interleaves. */
+   their own before launching. No Python code runs between this copy and the launch (launch_all
+   calls none; checked_run's calls into Python all come before it), so no other run interleaves. */
 static int restore_storage(Launch *l, PyObject *storages, Py_ssize_t k) {
   if (storages == Py_None) return 0;
   if (!PyTuple_Check(storages) || k >= PyTuple_GET_SIZE(storages)) {
@@ -333,17 +335,22 @@ static PyObject *guard(PyObject *self, PyObject *args) {
     guard_free_fields(g);
     return PyErr_NoMemory();
   }
-  int bad = g->nslots > MAX_SOURCES || g->nchecked > g->nslots
-            || (extents && PyTuple_GET_SIZE(extents) != g->nslots);
+  if (g->nslots > MAX_SOURCES || g->nchecked > g->nslots || (extents && PyTuple_GET_SIZE(extents) != g->nslots)) {
+    guard_free_fields(g);
+    PyErr_SetString(PyExc_ValueError, "guard: more slots than a run takes, or slots and extents disagree");
+    return NULL;
+  }
+  int bad = 0;
   for (Py_ssize_t i = 0; i < g->nslots && !bad; i++) {
     PyObject *item = PyTuple_GET_ITEM(alignments, i);
     g->alignment[i] = item == Py_None ? -1 : (int)PyLong_AsLong(item);
     item = extents ? PyTuple_GET_ITEM(extents, i) : Py_None;
     if (item != Py_None) g->extent[i] = PyLong_AsUnsignedLongLong(item);
+    bad = PyErr_Occurred() != NULL;
   }
   for (Py_ssize_t i = 0; i < g->nchecked && !bad; i++) {
     g->checked[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(checked, i));
-    bad = g->checked[i] < 0 || g->checked[i] >= g->nslots;
+    bad = PyErr_Occurred() != NULL || g->checked[i] < 0 || g->checked[i] >= g->nslots;
   }
   for (Py_ssize_t i = 0; i < g->nsame && !bad; i++)
     bad = !PyArg_ParseTuple(PyTuple_GET_ITEM(same, i), "ii", &g->same[2 * i], &g->same[2 * i + 1])
@@ -373,7 +380,9 @@ static int tensor_passes(PyObject *check, PyObject *const *x, Py_ssize_t n) {
     /* the C++ guards read a nested tensor's strides, which aborts */
     PyObject *nested = PyObject_GetAttr(x[i], is_nested_name);
     if (!nested) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_RuntimeError)) return -1;
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_TypeError)
+          && !PyErr_ExceptionMatches(PyExc_RuntimeError))
+        return -1;
       PyErr_Clear();
       return 0;
     }
@@ -422,8 +431,9 @@ static int output_passes(Guard *g, PyObject *out, const uint64_t *addresses, con
   return 1;
 }
 
-/* Read the address of each item of `items` (a tuple or list of tensors or None) into
-   addresses[offset...]; -1 with TypeError for an item that is neither. */
+/* Read the address of each item of `items` (a tuple or list of dense tensors or None: the data
+   pointer function throws a C++ exception, which ends the process, for a tensor without storage)
+   into addresses[offset...]; -1 with TypeError for an item that is not a tensor. */
 static int read_addresses(PyObject *items, uint64_t *addresses, char *present, Py_ssize_t offset) {
   Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
   PyObject **item = PySequence_Fast_ITEMS(items);
