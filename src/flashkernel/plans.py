@@ -147,8 +147,8 @@ class _Plan:
         if replay.native is not None:
             native = self._native_out.get(mode, False)
             if native is False:  # the guard's C form that checks out as _check_out does (made once per mode)
-                native = self._native_out[mode] = guard.native_form((
-                    out_guard, self._out_bytes, self._extents, tuple((start, size) for _, start, size in self._kept_spans)))
+                spans = tuple((start, size) for _, start, size in self._kept_spans)
+                native = self._native_out[mode] = guard.native_form((out_guard, self._out_bytes, self._extents, spans))
             if native is not None:
                 results = replay.run_checked(native, tensors, fixed, capturing, out=out)
                 if results is not None:  # written in place: marked as copy_ would have marked it

@@ -256,7 +256,7 @@ class Replay:
         # Temporaries (allocations that are not outputs, e.g. split-KV partials): reusable per
         # stream by eager callers (``run(..., reuse_scratch=True)``), one run at a time. Zeroed
         # ones are zeroed when allocated: the kernels that use them leave them at zero.
-        self._scratch_by_stream: dict[int, tuple] = {}
+        self._scratch_by_stream: dict[int, list] = {}
         self._scratch_lock = threading.Lock()
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
         self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
@@ -400,51 +400,34 @@ class Replay:
             return None
         return tuple([None if j is None else allocated[j] for j in self.outputs])
 
-    def _buffers(self, stream: int, capturing, out=None) -> list:
-        """A checked run's buffers: the temporaries kept for ``stream`` (new ones under capture),
-        ``out`` for the first output when given and new other outputs, one per recorded allocation
-        (:meth:`_allocate` without the addresses)."""
-        if self.scratch and not (capturing or (capturing is None and stream_capturing())):
-            allocated = self._kept(stream)[0].copy()
+    def _buffers(self, stream: int, capturing, out=None, reuse_scratch: bool = True, given=()) -> list:
+        """The run's buffers, one per recorded allocation: the temporaries kept for ``stream`` (with
+        ``reuse_scratch``, not under capture) or new ones, and the outputs: ``out`` (or ``given``'s
+        tensors, in order) where given, else new ones. What a checked run's C call asks for."""
+        if reuse_scratch and self.scratch and not (capturing or (capturing is None and stream_capturing())):
+            allocated = self._kept(stream).copy()
         else:
             allocated = [None if i in self.outputs else _fresh(*allocation)
                          for i, allocation in enumerate(self.allocations)]
+        if out is not None:
+            given = (out,)
         for i, j in enumerate(self.outputs):
             if j is not None:
-                allocated[j] = out if i == 0 and out is not None else _fresh(*self.allocations[j])
+                allocated[j] = given[i] if i < len(given) and given[i] is not None else _fresh(*self.allocations[j])
         return allocated
 
-    def _kept(self, stream: int) -> tuple[list, list]:
-        """The temporaries kept for ``stream`` (made on its first run): the allocations with None
-        for the outputs, and their addresses."""
+    def _kept(self, stream: int) -> list:
+        """The temporaries kept for ``stream`` (made on its first run), None for the outputs."""
         kept = self._scratch_by_stream.get(stream)
         if kept is None:
-            buffers = [None if i in self.outputs else _fresh(*allocation)
-                       for i, allocation in enumerate(self.allocations)]
-            kept = self._scratch_by_stream[stream] = (buffers, [None if t is None else t.data_ptr() for t in buffers])
+            kept = self._scratch_by_stream[stream] = [None if i in self.outputs else _fresh(*allocation)
+                                                      for i, allocation in enumerate(self.allocations)]
         return kept
-
-    def _allocate(self, stream: int, reuse_scratch: bool, given, capturing) -> tuple[list, list]:
-        """The run's buffers, one per recorded allocation (``given`` outputs, kept or new
-        temporaries, new outputs), and their addresses."""
-        if reuse_scratch and self.scratch and not (
-                capturing or (capturing is None and stream_capturing())):
-            buffers, addresses = self._kept(stream)
-            allocated, addresses = buffers.copy(), addresses.copy()
-        else:
-            allocated = [None if i in self.outputs else _fresh(*allocation)
-                         for i, allocation in enumerate(self.allocations)]
-            addresses = [None if t is None else t.data_ptr() for t in allocated]
-        given = given or ()
-        for i, j in enumerate(self.outputs):
-            if j is not None:
-                buffer = given[i] if i < len(given) and given[i] is not None else _fresh(*self.allocations[j])
-                allocated[j], addresses[j] = buffer, buffer.data_ptr()
-        return allocated, addresses
 
     def _launch(self, inputs, reuse_scratch: bool, outputs, addresses, capturing):
         stream = _raw_stream(self.device)
-        allocated, allocation_addresses = self._allocate(stream, reuse_scratch, outputs, capturing)
+        allocated = self._buffers(stream, capturing, None, reuse_scratch, outputs or ())
+        allocation_addresses = [None if t is None else t.data_ptr() for t in allocated]
         if addresses is None:
             addresses = [None if x is None else x.data_ptr() for x in inputs]
         addresses = [*addresses, *allocation_addresses]

@@ -372,6 +372,16 @@ static PyObject *guard(PyObject *self, PyObject *args) {
   return capsule;
 }
 
+/* After a failed call on a tensor: 0 (turned away, the error cleared) for what a bad argument
+   raises (AttributeError, TypeError, RuntimeError), -1 for anything else, which the caller sees. */
+static int turned_away(void) {
+  if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_TypeError)
+      && !PyErr_ExceptionMatches(PyExc_RuntimeError))
+    return -1;
+  PyErr_Clear();
+  return 0;
+}
+
 /* 1 when `check` vouches for tensor x (a plain strided tensor of the checked layout), 0 when not,
    -1 with an exception the caller must see. */
 static int tensor_passes(PyObject *check, PyObject *const *x, Py_ssize_t n) {
@@ -379,25 +389,13 @@ static int tensor_passes(PyObject *check, PyObject *const *x, Py_ssize_t n) {
     if (!PyObject_TypeCheck(x[i], tensor_type)) return 0;
     /* the C++ guards read a nested tensor's strides, which aborts */
     PyObject *nested = PyObject_GetAttr(x[i], is_nested_name);
-    if (!nested) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_TypeError)
-          && !PyErr_ExceptionMatches(PyExc_RuntimeError))
-        return -1;
-      PyErr_Clear();
-      return 0;
-    }
+    if (!nested) return turned_away();
     int is_nested = PyObject_IsTrue(nested);
     Py_DECREF(nested);
     if (is_nested != 0) return is_nested < 0 ? -1 : 0;
   }
   PyObject *ok = PyObject_Vectorcall(check, x, (size_t)n, NULL);
-  if (!ok) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_TypeError)
-        && !PyErr_ExceptionMatches(PyExc_RuntimeError))
-      return -1;
-    PyErr_Clear();
-    return 0;
-  }
+  if (!ok) return turned_away();
   int passes = PyObject_IsTrue(ok);
   Py_DECREF(ok);
   return passes;
