@@ -616,9 +616,13 @@ def test_reference_with_kvcache_is_dense_attention_over_the_gathered_prefix():
 # ---- combine ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("parts, head_dim", [(4, 40), (70, 256)], ids=["one-chunk", "three-chunks"])
-def test_combine_merges_exactly_and_skips_empty_parts(parts, head_dim):
+@pytest.mark.parametrize("parts, head_dim, sliced", [(4, 40, False), (70, 256, False), (33, 40, True), (300, 128, True)],
+                         ids=["one-chunk", "three-chunks", "two-column-slices", "four-slices-two-chunks"])
+def test_combine_merges_exactly_and_skips_empty_parts(monkeypatch, parts, head_dim, sliced):
     batch, seqlen, heads = 2, 3, 5
+    # Slicing the columns over several programs is the rule's choice for few rows and many
+    # parts; force it on or off here.
+    monkeypatch.setattr(combine_module, "SLICE_MIN_PARTS", 1 if sliced else 1 << 30)
     out_parts = torch.randn(parts, batch, seqlen, heads, head_dim, device=DEVICE)
     lse_parts = torch.randn(parts, batch, heads, seqlen, device=DEVICE) * 3
     lse_parts[1] = float("-inf")  # an empty part everywhere
@@ -638,6 +642,16 @@ def test_combine_merges_exactly_and_skips_empty_parts(parts, head_dim):
     assert (lse.double() - truth_lse)[finite].abs().max() < 1e-5
     assert torch.equal(out[0, 1, 2], torch.zeros_like(out[0, 1, 2]))
     torch.testing.assert_close(out.double(), truth, atol=2e-3, rtol=2e-3)
+
+
+def test_combine_column_slices_for_few_rows_of_many_parts():
+    slices = combine_module.column_slices
+    assert slices(num_rows=32, num_parts=33, block_d=128) == 4  # batch 1, 32 query heads
+    assert slices(num_rows=16, num_parts=33, block_d=256) == 8
+    assert slices(num_rows=256, num_parts=33, block_d=128) == 2  # batch 8
+    assert slices(num_rows=512, num_parts=33, block_d=128) == 1
+    assert slices(num_rows=32, num_parts=33, block_d=16) == 1  # slices of 32 columns at least
+    assert slices(num_rows=32, num_parts=7, block_d=128) == 1
 
 
 def test_combine_single_part_is_identity():

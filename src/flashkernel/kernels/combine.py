@@ -11,11 +11,14 @@ hold anything, NaN included). A row whose parts are all ``-inf`` gets ``out = 0`
 ``lse = -inf``. Split-KV decode merges its splits with this; ring attention will merge the
 blocks of its steps the same way.
 
-Launch grid: one program per ``(batch, token, head)`` row, flattened into axis 0 (no 65535
-limit). A program loads the parts in chunks of ``BLOCK_P`` at once (one chunk when ``P`` is
-small, so a merge costs two dependent loads, not a loop of ``P``): first the ``lse`` of every
-part (the max), then weights and the outputs of non-empty parts. The order of the sums is
-fixed, so the result is deterministic.
+Launch grid: one program per ``(batch, token, head)`` row and slice of ``BLOCK_D`` columns of
+the head dim, flattened into axis 0 (no 65535 limit). A program loads the parts in chunks of
+``BLOCK_P`` at once (one chunk when ``P`` is small, so a merge costs two dependent loads, not a
+loop of ``P``): first the ``lse`` of every part (the max), then weights and its columns of the
+outputs of non-empty parts. Every slice of a row computes the same weights, and the order of
+the sums is fixed, so the result is deterministic. Few rows of many parts (a batch-1 decode
+step split 33 ways has 32 rows) are cut into column slices, so the merge runs on more SMs
+(:func:`column_slices`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ from ._launch import Launcher
 
 LOG2E = math.log2(math.e)
 MAX_TILE_ELEMENTS = 8192  # BLOCK_P * BLOCK_D: parts loaded at once per program
+SLICE_MIN_PARTS = 8  # fewer parts: one program per row (docs/perf-notes.md, "The merge's columns")
+SLICE_MAX_PROGRAMS = 512  # rows x slices
+SLICE_COLUMNS = 32  # the narrowest slice
+
+
+def column_slices(num_rows: int, num_parts: int, block_d: int) -> int:
+    """Programs per row: with at least ``SLICE_MIN_PARTS`` parts, the largest power of two
+    that keeps slices of at least ``SLICE_COLUMNS`` columns and ``num_rows * slices`` within
+    ``SLICE_MAX_PROGRAMS`` (a batch-1 step of 32 query heads: 4 slices of head dim 128)."""
+    slices = 1
+    if num_parts < SLICE_MIN_PARTS:
+        return slices
+    while 2 * slices * SLICE_COLUMNS <= block_d and 2 * slices * num_rows <= SLICE_MAX_PROGRAMS:
+        slices *= 2
+    return slices
 
 
 @triton.jit
@@ -41,16 +59,18 @@ def _combine_kernel(
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh, stride_lt,
     num_parts, seqlen, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, SLICES: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    piece = pid % SLICES
+    pid = pid // SLICES
     head = (pid % num_heads).to(tl.int64)
     row = pid // num_heads
     token = (row % seqlen).to(tl.int64)
     batch = (row // seqlen).to(tl.int64)
     offs_p = tl.arange(0, BLOCK_P).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = piece * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     # Part offsets in int64 (the parts may span more than 2**31 elements): the per-part index and
     # the chunk step are both 64-bit, so no int32 product can wrap.
@@ -89,7 +109,7 @@ def _combine_kernel(
     out = acc / total_safe
     tl.store(Out + batch * stride_ob + token * stride_ot + head * stride_oh + offs_d,
              out.to(Out.dtype.element_ty), mask=d_ok)
-    if WRITE_LSE:
+    if WRITE_LSE and piece == 0:
         lse = tl.where(total == 0.0, float("-inf"), (m_safe + tl.math.log2(total_safe)) / 1.4426950408889634)
         tl.store(Lse + batch * stride_lb + head * stride_lh + token * stride_lt, lse)
 
@@ -118,11 +138,14 @@ def combine(
     num_parts, batch, seqlen, num_heads, head_dim = out_parts.shape
     if batch == 0 or seqlen == 0 or num_heads == 0:
         return
-    block_d = padded_head_dim(head_dim)
+    padded = padded_head_dim(head_dim)
+    rows = batch * seqlen * num_heads
+    slices = column_slices(rows, num_parts, padded)
+    block_d = padded // slices
     block_p = min(next_power_of_2(num_parts), max(1, MAX_TILE_ELEMENTS // block_d))
     lse_arg = lse if lse is not None else lse_parts  # unused pointer when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0, 0, 0)
-    grid = (batch * seqlen * num_heads,)
+    grid = (rows * slices,)
     _launch_combine(
         grid, out_parts, lse_parts, out, lse_arg,
         out_parts.stride(0), out_parts.stride(1), out_parts.stride(2), out_parts.stride(3),
@@ -130,7 +153,7 @@ def combine(
         out.stride(0), out.stride(1), out.stride(2),
         *lse_strides,
         num_parts, seqlen, num_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=block_p,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=block_p, SLICES=slices,
         WRITE_LSE=lse is not None,
         num_warps=8 if block_p * block_d > 4096 else 4, **exponent_options(softmax_scale),
     )
