@@ -69,3 +69,20 @@ def test_missing_matplotlib_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(plots.PlottingUnavailable, match=r"pip install 'flashkernel\[plot\]'"):
         plots.pyplot()
+
+
+def backward_doc():
+    rows, layer = [], []
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            for seqlen in (1024, 4096):
+                rows.append({"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "flashkernel_tflops": 300.0,
+                             "sdpa-flash_tflops": 250.0, "sdpa-cudnn_error": "RuntimeError: not here"})
+                layer.append({"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "flashkernel_tflops": 320.0,
+                              "sdpa-cudnn_tflops": 400.0})
+    return {"workload": "backward", "environment": ENV, "rows": rows, "layer": layer}
+
+
+def test_backward_plot_has_a_panel_per_head_dim_and_mask(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert_png(plots.backward_plot(backward_doc(), tmp_path))

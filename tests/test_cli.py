@@ -206,3 +206,9 @@ def test_profile_without_ncu_says_so(capsys, monkeypatch):
 def test_info_on_cpu(capsys):
     code, out, _ = run_cli(capsys, "info", "--json")
     assert code == 0 and "GPU: none" in out and '"ceilings": null' in out
+
+
+@cpu_only
+def test_bench_backward_without_cuda_says_so(capsys):
+    code, out, _ = run_cli(capsys, "bench", "backward")
+    assert code == 2 and "backward benchmark needs a CUDA GPU" in out

@@ -5,7 +5,7 @@
 Replaces what stands between ``<!-- results:start -->`` and ``<!-- results:end -->`` with the
 output of ``flashkernel report DIR --markdown``, and between ``<!-- callcost:start -->`` /
 ``<!-- training:start -->`` and their ends with tables made here from ``overhead.json``
-(``flashkernel bench overhead``), ``backward.json`` (``python -m flashkernel.bench.backward``) and
+(``flashkernel bench overhead``), ``backward.json`` (``flashkernel bench backward``) and
 ``../h200x2/context_parallel.json`` (``torchrun ... -m flashkernel.bench.context_parallel``), and
 between ``<!-- e2e:start -->`` and its end with the tables of ``e2e.json`` (``flashkernel bench
 e2e``), and between ``<!-- kvquant:start -->`` / ``<!-- kvquant-accuracy:start -->`` and their ends
@@ -87,17 +87,35 @@ def call_cost_table(results: Path) -> str:
     return "\n".join(lines)
 
 
-def training_table(results: Path) -> str:
-    """Backward TFLOP/s against SDPA's FA2 and cuDNN (``backward.json``), and ring attention on
-    two GPUs (``../h200x2/context_parallel.json``) when present."""
-    rows = json.loads((results / "backward.json").read_text())["rows"]
-    lines = ["Backward (bf16, 16k tokens per batch, model dim 2048; FLOPs = 2.5 x forward), TFLOP/s:", "",
-             "| head dim | mask | seqlen | flashkernel | SDPA FA2 | SDPA cuDNN | vs FA2 | vs cuDNN |",
+def _against_sdpa(rows: list[dict]) -> list[str]:
+    """Table lines: TFLOP/s of flashkernel and SDPA's FA2 and cuDNN backends per shape."""
+    lines = ["| head dim | mask | seqlen | flashkernel | SDPA FA2 | SDPA cuDNN | vs FA2 | vs cuDNN |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['head_dim']} | {'causal' if r['causal'] else 'none'} | {r['seqlen']} | "
                      f"{r['flashkernel_tflops']:.0f} | {r['sdpa-flash_tflops']:.0f} | {r['sdpa-cudnn_tflops']:.0f} | "
                      f"{r['vs_sdpa-flash']:.2f}x | {r['vs_sdpa-cudnn']:.2f}x |")
+    return lines
+
+
+def training_table(results: Path) -> str:
+    """Backward TFLOP/s against SDPA's FA2 and cuDNN (``backward.json``), and ring attention on
+    two GPUs (``../h200x2/context_parallel.json``) when present."""
+    doc = json.loads((results / "backward.json").read_text())
+    lines = ["Backward (bf16, 16k tokens per batch, model dim 2048; FLOPs = 2.5 x forward), TFLOP/s:", "",
+             *_against_sdpa(doc["rows"])]
+    if doc.get("layer"):
+        lines += ["", "A training step's attention: one layer's forward + backward through autograd (same shapes; FLOPs = "
+                  "3.5 x forward), TFLOP/s:", "", *_against_sdpa(doc["layer"])]
+    if doc.get("model"):
+        lines += ["", "Training steps (forward + backward, no optimizer) of a random-weight Llama-3-8B-shaped model, "
+                  "4 layers, bf16, median of 5 alternating rounds, ms per step (flashkernel's speedup):", "",
+                  "| batch x seqlen | flashkernel | sdpa (its choice) | sdpa, FA2 forced | sdpa, cuDNN forced |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for r in doc["model"]:
+            cell = lambda name: f"{r[name + '_ms']:.0f} ({r['vs_' + name]:.2f}x)" if "vs_" + name in r else "-"  # noqa: E731
+            lines.append(f"| {r['batch']} x {r['seqlen']} | {r['flashkernel_ms']:.0f} | {cell('sdpa')} | "
+                         f"{cell('sdpa-flash')} | {cell('sdpa-cudnn')} |")
     cp = results.parent / "h200x2" / "context_parallel.json"
     if cp.exists():
         cp_rows = json.loads(cp.read_text())["rows"]

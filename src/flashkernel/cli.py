@@ -6,6 +6,7 @@
     flashkernel bench variants|overhead    variants vs FlexAttention; call cost vs cuDNN
     flashkernel bench e2e [--quick]        transformers models on flashkernel vs sdpa (tokens/s)
     flashkernel bench kvquant              decode over bf16 / fp8 / int8 caches; each format's error
+    flashkernel bench backward [--quick]   gradients and training steps vs SDPA's flash and cuDNN backends
     flashkernel profile [shape options]    one configuration under Nsight Compute
     flashkernel plot DIR                   re-draw the plots from the result files in DIR
     flashkernel report DIR [--markdown]    print their tables (Markdown for the README)
@@ -270,6 +271,22 @@ def cmd_bench_kvquant(args, device) -> int:
     return kvquant.main(argv)
 
 
+def cmd_bench_backward(args, device) -> int:
+    """``bench backward``: the backward kernels, per-kernel GPU time, one layer's forward +
+    backward and a small model's training steps against SDPA's backends (``bench/backward.py``,
+    ``bench/training.py``)."""
+    if device != "cuda":
+        print("the backward benchmark needs a CUDA GPU (it times kernels against SDPA's GPU backends)")
+        return 2
+    from .bench import backward
+
+    out_dir = Path(args.out) if args.out else default_out_dir(device)
+    argv = ["--out", str(out_dir / "backward.json"), "--plot", "--sections", *backward.SECTIONS]
+    if args.quick:
+        argv += ["--seqlens", "1024", "4096", "--rep-ms", "100"]
+    return backward.main(argv)
+
+
 def cmd_bench(args, argv, device, parser) -> int:
     if args.workload == "e2e":
         return cmd_bench_e2e(args, device)
@@ -279,6 +296,8 @@ def cmd_bench(args, argv, device, parser) -> int:
         return cmd_bench_kvquant(args, device)
     if args.workload == "overhead":
         return cmd_bench_overhead(args, device)
+    if args.workload == "backward":
+        return cmd_bench_backward(args, device)
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     if args.list_providers:
         return list_providers(workloads, device)
@@ -434,13 +453,15 @@ def _shape_options() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", parents=[_shape_options()], help="side-by-side benchmark",
                            description="Benchmark flashkernel against every provider importable here.")
-    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "overhead", "e2e", "kvquant", "all"),
+    bench.add_argument("workload", nargs="?", choices=(*WORKLOADS, "variants", "overhead", "e2e", "kvquant", "backward",
+                                                     "all"),
                        default="all",
                        help="what to benchmark (default: all = prefill and decode; variants: window, "
                             "softcap, ALiBi, sinks, varlen against FlexAttention; overhead: host and GPU time "
                             "per call against cuDNN; e2e: transformers models, prefill, generate and continuous "
                             "batching against sdpa, see python -m flashkernel.bench.e2e --help; kvquant: decode "
-                            "over bf16 / fp8 / int8 caches and each format's error)")
+                            "over bf16 / fp8 / int8 caches and each format's error; backward: gradients, per-kernel "
+                            "time and training steps against SDPA's flash and cuDNN backends)")
     bench.add_argument("--quick", action="store_true", help="a short sweep")
     bench.add_argument("--providers", nargs="+", help="only these providers (see --list-providers)")
     bench.add_argument("--skip-providers", nargs="+", help="leave these providers out")

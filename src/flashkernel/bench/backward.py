@@ -19,7 +19,15 @@ FLOPs: backward = 2.5 x forward, forward = ``4 * B * H * S * S * D``, halved whe
 (FlashAttention's convention). Each row also carries flashkernel's largest gradient difference
 from SDPA's flash backend, relative to the largest gradient, as a sanity check.
 
-Run: ``PYTHONPATH=src python -m flashkernel.bench.backward [--out results.json]``.
+Sections (``--sections``; the default is ``backward``, ``flashkernel bench backward`` runs all):
+
+* ``backward``: the table above.
+* ``kernels``: GPU time per call of each of flashkernel's backward kernels (delta, dK/dV, dQ,
+  the sums), from a ``torch.profiler`` trace, and each one's share.
+* ``layer`` and ``model``: training steps, forward and backward together (``bench/training.py``).
+
+Run: ``PYTHONPATH=src python -m flashkernel.bench.backward [--sections ...] [--out results.json
+[--plot]]``.
 
 ``--sweep`` instead times flashkernel's backward alone at candidate tile configurations (first
 the dK/dV kernel's with the table's dQ tiles, then the dQ kernel's with the best dK/dV tiles),
@@ -129,7 +137,8 @@ def measure_case(case: Case, dtype=None, warmup_ms: int = 100, rep_ms: int = 500
     """One row: per provider the median ms and TFLOP/s (or the error it raised), the ratios of
     flashkernel's TFLOP/s to each SDPA backend's, and the gradient check."""
     import torch
-    from triton.testing import do_bench
+
+    from .measure import time_provider
 
     dtype = dtype or torch.bfloat16
     q, k, v = _inputs(case, dtype)
@@ -137,22 +146,19 @@ def measure_case(case: Case, dtype=None, warmup_ms: int = 100, rep_ms: int = 500
     row = {"head_dim": case.head_dim, "causal": case.causal, "seqlen": case.seqlen, "batch": case.batch,
            "heads": case.heads, "dtype": str(dtype).removeprefix("torch."), "flops": case.backward_flops()}
     ours = None
+
+    def make_call(name):
+        nonlocal ours
+        if name == "flashkernel":
+            call, ours = _flashkernel_backward(case, q, k, v, dout)
+            return call
+        return _sdpa_backward(case, SDPA_BACKENDS[name], q, k, v, dout)
+
     flash_grads = None
     for name in PROVIDERS:
-        try:
-            if name == "flashkernel":
-                call, ours = _flashkernel_backward(case, q, k, v, dout)
-            else:
-                call = _sdpa_backward(case, SDPA_BACKENDS[name], q, k, v, dout)
-            ms = do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-            if name == "sdpa-flash":
-                flash_grads = call()
-            row[f"{name}_ms"] = ms
-            row[f"{name}_tflops"] = case.backward_flops() / (ms * 1e-3) / 1e12
-        except Exception as error:  # noqa: BLE001 - a provider that cannot run this shape is reported
-            row[f"{name}_error"] = f"{type(error).__name__}: {error}"
-        finally:
-            torch.cuda.synchronize()
+        call = time_provider(row, name, lambda: make_call(name), case.backward_flops(), warmup_ms, rep_ms)
+        if name == "sdpa-flash" and call is not None:
+            flash_grads = call()
     for name in SDPA_BACKENDS:
         if f"{name}_tflops" in row and "flashkernel_tflops" in row:
             row[f"vs_{name}"] = row["flashkernel_tflops"] / row[f"{name}_tflops"]
@@ -187,33 +193,128 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(text + errors)
 
 
+SECTIONS = ("backward", "kernels", "layer", "model")
+
+
 def run_backward_bench(shapes=DEFAULT_SHAPES, out_path: str | Path | None = None, dtype=None,
-                       warmup_ms: int = 100, rep_ms: int = 500, argv: list[str] | None = None) -> dict:
-    """Time every ``(head_dim, causal, seqlen)`` of ``shapes``, print the table, and write the
-    results (environment, formula, rows) as JSON to ``out_path`` when given. Needs CUDA."""
+                       warmup_ms: int = 100, rep_ms: int = 500, argv: list[str] | None = None,
+                       sections=("backward",), plot: bool = False) -> dict:
+    """Run ``sections`` at every ``(head_dim, causal, seqlen)`` of ``shapes`` (the model
+    section has its own shapes, ``training.MODEL_BATCHES``), print the tables, and write the
+    results (environment, formula, one list of rows per section: ``rows`` for the backward
+    table) as JSON to ``out_path`` when given, with ``backward_tflops.png`` beside it when
+    ``plot``. Needs CUDA."""
     import torch
 
+    from . import training
     from .results import environment
 
     if not torch.cuda.is_available():
         raise RuntimeError("the backward benchmark times GPU kernels: it needs a CUDA GPU")
-    rows = []
-    for head_dim, causal, seqlen in shapes:
-        row = measure_case(Case(head_dim, causal, seqlen), dtype, warmup_ms, rep_ms)
-        rows.append(row)
-        speeds = ", ".join(f"{name} {row[name + '_tflops']:.1f}" if name + "_tflops" in row else f"{name} error"
-                           for name in PROVIDERS)
-        print(f"head_dim {head_dim} {'causal' if causal else 'none'} seqlen {seqlen}: {speeds} TFLOP/s", flush=True)
+    cases = [Case(head_dim, causal, seqlen) for head_dim, causal, seqlen in shapes]
     env = environment([], "cuda")
     env["command"] = shlex.join(["python", "-m", "flashkernel.bench.backward", *(argv or [])])
     doc = {"workload": "backward", "environment": env, "formula": BACKWARD_FLOPS_FORMULA,
-           "timer": f"triton.testing.do_bench median (warmup {warmup_ms} ms, rep {rep_ms} ms)", "rows": rows}
-    print(format_rows(rows))
+           "timer": f"triton.testing.do_bench median (warmup {warmup_ms} ms, rep {rep_ms} ms)", "rows": []}
+
+    def write():
+        if out_path is not None:
+            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(out_path).write_text(json.dumps(doc, indent=1) + "\n")
+
+    if "backward" in sections:
+        for case in cases:
+            row = measure_case(case, dtype, warmup_ms, rep_ms)
+            doc["rows"].append(row)
+            speeds = ", ".join(f"{name} {row[name + '_tflops']:.1f}" if name + "_tflops" in row else f"{name} error"
+                               for name in PROVIDERS)
+            print(f"head_dim {case.head_dim} {'causal' if case.causal else 'none'} seqlen {case.seqlen}: {speeds} "
+                  "TFLOP/s", flush=True)
+            write()
+        print(format_rows(doc["rows"]), flush=True)
+    if "kernels" in sections:
+        doc["kernels"] = [kernel_row(case) for case in cases]
+        print(format_kernel_rows(doc["kernels"]), flush=True)
+        write()
+    if "layer" in sections:
+        doc["layer_formula"] = "forward + backward FLOPs = 3.5 * 4 * B * H * S * S * D, halved when causal"
+        doc["layer"] = []
+        for case in cases:
+            doc["layer"].append(training.layer_row(case.head_dim, case.causal, case.seqlen, case.batch, case.heads,
+                                                   warmup_ms, rep_ms))
+            write()
+        print(training.format_layer_rows(doc["layer"]), flush=True)
+    if "model" in sections:
+        doc["model"] = training.model_rows()
+        write()
     if out_path is not None:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {out_path}")
+        if plot and doc["rows"]:
+            from .plots import PlottingUnavailable, backward_plot
+
+            try:
+                print(f"wrote {backward_plot(doc, Path(out_path).parent)}")
+            except PlottingUnavailable as error:
+                print(error)
     return doc
+
+
+# ---- kernels: where a backward call's GPU time goes -----------------------------------------------
+
+KERNEL_NAMES = ("_delta_kernel", "_dkdv_kernel", "_dq_kernel", "_sum_kernel", "_sum_parts_kernel")
+
+
+def kernel_times(call, calls: int = 20) -> dict:
+    """GPU time per call of each backward kernel (``KERNEL_NAMES``; anything else as ``other``),
+    in ms, from a ``torch.profiler`` trace of ``calls`` calls after one untraced call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in trace.key_averages():
+        total = getattr(event, "device_time_total", None)
+        if total is None:
+            total = getattr(event, "cuda_time_total", 0.0)
+        if not total or event.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
+            continue
+        name = next((n for n in KERNEL_NAMES if event.key == n or event.key.startswith(n + "_")), "other")
+        times[name] = times.get(name, 0.0) + total / 1e3 / calls
+    return times
+
+
+def kernel_row(case: Case) -> dict:
+    """One shape: ms per call of each backward kernel and its share of their sum."""
+    import torch
+
+    q, k, v = _inputs(case, torch.bfloat16)
+    dout = torch.randn_like(q)
+    call, _ = _flashkernel_backward(case, q, k, v, dout)
+    times = kernel_times(call)
+    total = sum(times.values())
+    row = {"section": "kernels", "head_dim": case.head_dim, "causal": case.causal, "seqlen": case.seqlen,
+           "batch": case.batch, "heads": case.heads, "total_ms": total,
+           "kernels_ms": times, "shares": {name: t / total for name, t in times.items()}}
+    del q, k, v, dout
+    torch.cuda.empty_cache()
+    return row
+
+
+def format_kernel_rows(rows: list[dict]) -> str:
+    names = [n for n in (*KERNEL_NAMES, "other") if any(n in r["kernels_ms"] for r in rows)]
+    lines = [["hdim", "mask", "seqlen", "total ms", *[n.strip("_").removesuffix("_kernel") for n in names]]]
+    for row in rows:
+        lines.append([str(row["head_dim"]), "causal" if row["causal"] else "none", str(row["seqlen"]),
+                      f"{row['total_ms']:.3f}",
+                      *[f"{row['kernels_ms'][n]:.3f} ({row['shares'][n]:.0%})" if n in row["kernels_ms"] else "-"
+                        for n in names]])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines)
 
 
 # ---- sweep: tile configurations timed on the GPU ------------------------------------------------
@@ -410,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-check", action="store_true",
                         help="compile the kernels for sm_90a (no GPU needed) and report registers and spills")
     parser.add_argument("--compile-specs", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=["backward"],
+                        help="backward: the kernels against SDPA's backends; kernels: GPU time per backward "
+                             "kernel; layer: one attention layer's forward + backward; model: training steps of a "
+                             "4-layer Llama-shaped model")
+    parser.add_argument("--plot", action="store_true", help="draw backward_tflops.png beside --out")
     parser.add_argument("--sweep", action="store_true",
                         help="time flashkernel's backward at candidate tile configurations (GPU)")
     args = parser.parse_args(argv)
@@ -428,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         run_sweep(shapes, args.out, min(args.rep_ms, 100), argv)
         return 0
-    run_backward_bench(shapes, args.out, rep_ms=args.rep_ms, argv=argv)
+    run_backward_bench(shapes, args.out, rep_ms=args.rep_ms, argv=argv, sections=tuple(args.sections), plot=args.plot)
     return 0
 
 

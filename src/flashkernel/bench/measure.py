@@ -209,3 +209,25 @@ def peak_extra_memory_mb(call: Call) -> float | None:
     peak = torch.cuda.max_memory_allocated()
     del result
     return (peak - before) / 2**20
+
+
+def time_provider(row: dict, name: str, make_call: Callable[[], Call], flops: float, warmup_ms: int,
+                  rep_ms: int) -> Call | None:
+    """``make_call()``'s call timed by ``triton.testing.do_bench`` (median, L2 flushed between
+    calls) into ``row[name + "_ms"]`` and ``row[name + "_tflops"]``, or the error that stopped
+    it into ``row[name + "_error"]`` (a provider that cannot run a shape is reported, not
+    fatal). Returns the call, or None when it failed."""
+    import torch
+    from triton.testing import do_bench
+
+    try:
+        call = make_call()
+        ms = do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+        return call
+    except Exception as error:  # noqa: BLE001 - reported in the row
+        row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        return None
+    finally:
+        torch.cuda.synchronize()

@@ -132,6 +132,40 @@ def prefill_plot(doc: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def backward_plot(doc: dict, out_dir: Path) -> Path:
+    """``backward_tflops.png``: the backward suite's TFLOP/s vs seqlen per provider, a panel per
+    (head dim, mask) as in ``prefill_tflops.png``; one attention layer's forward + backward
+    (the ``layer`` section, where run) dashed."""
+    plt = pyplot()
+    rows = doc["rows"]
+    panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = _grid(plt, len(panels), 2)
+    for ax, (head_dim, causal) in zip(axes, panels):
+        for section, style in ((rows, "-"), (doc.get("layer", []), "--")):
+            chosen = sorted((r for r in section if r["head_dim"] == head_dim and r["causal"] == causal),
+                            key=lambda r: r["seqlen"])
+            providers = [k.removesuffix("_tflops") for k in (chosen[0] if chosen else {}) if k.endswith("_tflops")]
+            for name in providers:
+                points = [(r["seqlen"], r[f"{name}_tflops"]) for r in chosen if f"{name}_tflops" in r]
+                if points:
+                    xs, ys = zip(*points)
+                    label = name if style == "-" else f"{name}, forward + backward"
+                    ax.plot(xs, ys, style, marker="o", markersize=3, label=label, color=provider_color(name),
+                            linewidth=2.5 if name == "flashkernel" else 1.2)
+        _log2_axis(ax, [r["seqlen"] for r in rows if r["head_dim"] == head_dim and r["causal"] == causal])
+        ax.set_title(f"backward, head dim {head_dim}, {'causal' if causal else 'no mask'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(_title(doc, "backward"), fontsize=9)
+    fig.tight_layout()
+    path = Path(out_dir) / "backward_tflops.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def decode_plot(doc: dict, out_dir: Path) -> list[Path]:
     """Effective GB/s (graph replay when measured) vs context, a panel per batch size."""
     plt = pyplot()
