@@ -91,10 +91,14 @@ def _against_sdpa(rows: list[dict]) -> list[str]:
     """Table lines: TFLOP/s of flashkernel and SDPA's FA2 and cuDNN backends per shape."""
     lines = ["| head dim | mask | seqlen | flashkernel | SDPA FA2 | SDPA cuDNN | vs FA2 | vs cuDNN |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    def cell(r, key, form):
+        return form.format(r[key]) if key in r else "-"
+
     for r in rows:
         lines.append(f"| {r['head_dim']} | {'causal' if r['causal'] else 'none'} | {r['seqlen']} | "
-                     f"{r['flashkernel_tflops']:.0f} | {r['sdpa-flash_tflops']:.0f} | {r['sdpa-cudnn_tflops']:.0f} | "
-                     f"{r['vs_sdpa-flash']:.2f}x | {r['vs_sdpa-cudnn']:.2f}x |")
+                     f"{cell(r, 'flashkernel_tflops', '{:.0f}')} | {cell(r, 'sdpa-flash_tflops', '{:.0f}')} | "
+                     f"{cell(r, 'sdpa-cudnn_tflops', '{:.0f}')} | {cell(r, 'vs_sdpa-flash', '{:.2f}x')} | "
+                     f"{cell(r, 'vs_sdpa-cudnn', '{:.2f}x')} |")
     return lines
 
 
@@ -114,7 +118,8 @@ def training_table(results: Path) -> str:
                   "| --- | ---: | ---: | ---: | ---: |"]
         for r in doc["model"]:
             cell = lambda name: f"{r[name + '_ms']:.0f} ({r['vs_' + name]:.2f}x)" if "vs_" + name in r else "-"  # noqa: E731
-            lines.append(f"| {r['batch']} x {r['seqlen']} | {r['flashkernel_ms']:.0f} | {cell('sdpa')} | "
+            ours = f"{r['flashkernel_ms']:.0f}" if "flashkernel_ms" in r else "-"
+            lines.append(f"| {r['batch']} x {r['seqlen']} | {ours} | {cell('sdpa')} | "
                          f"{cell('sdpa-flash')} | {cell('sdpa-cudnn')} |")
     cp = results.parent / "h200x2" / "context_parallel.json"
     if cp.exists():

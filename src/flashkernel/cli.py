@@ -274,16 +274,19 @@ def cmd_bench_kvquant(args, device) -> int:
 def cmd_bench_backward(args, device) -> int:
     """``bench backward``: the backward kernels, per-kernel GPU time, one layer's forward +
     backward and a small model's training steps against SDPA's backends (``bench/backward.py``,
-    ``bench/training.py``)."""
+    ``bench/training.py``; its own shapes: the shape options do not apply, ``python -m
+    flashkernel.bench.backward --help`` takes head dims, lengths and masks)."""
     if device != "cuda":
         print("the backward benchmark needs a CUDA GPU (it times kernels against SDPA's GPU backends)")
         return 2
     from .bench import backward
 
     out_dir = Path(args.out) if args.out else default_out_dir(device)
-    argv = ["--out", str(out_dir / "backward.json"), "--plot", "--sections", *backward.SECTIONS]
-    if args.quick:
-        argv += ["--seqlens", "1024", "4096", "--rep-ms", "100"]
+    argv = ["--out", str(out_dir / "backward.json"), "--plot", "--sections"]
+    if args.quick:  # no model section: its training steps are most of the run
+        argv += [*(s for s in backward.SECTIONS if s != "model"), "--seqlens", "1024", "4096", "--rep-ms", "100"]
+    else:
+        argv += backward.SECTIONS
     return backward.main(argv)
 
 

@@ -298,9 +298,11 @@ def kernel_row(case: Case) -> dict:
     times = kernel_times(call)
     total = sum(times.values())
     row = {"section": "kernels", "head_dim": case.head_dim, "causal": case.causal, "seqlen": case.seqlen,
-           "batch": case.batch, "heads": case.heads, "total_ms": total,
-           "kernels_ms": times, "shares": {name: t / total for name, t in times.items()}}
-    del q, k, v, dout
+           "batch": case.batch, "heads": case.heads, "total_ms": total, "kernels_ms": times,
+           "shares": {name: t / total for name, t in times.items()} if total else {}}
+    if not total:
+        row["error"] = "the profiler recorded no GPU kernel (CUPTI unavailable?)"
+    del call, q, k, v, dout
     torch.cuda.empty_cache()
     return row
 
@@ -309,6 +311,10 @@ def format_kernel_rows(rows: list[dict]) -> str:
     names = [n for n in (*KERNEL_NAMES, "other") if any(n in r["kernels_ms"] for r in rows)]
     lines = [["hdim", "mask", "seqlen", "total ms", *[n.strip("_").removesuffix("_kernel") for n in names]]]
     for row in rows:
+        if not row["total_ms"]:
+            lines.append([str(row["head_dim"]), "causal" if row["causal"] else "none", str(row["seqlen"]), "-",
+                          *["-" for _ in names]])
+            continue
         lines.append([str(row["head_dim"]), "causal" if row["causal"] else "none", str(row["seqlen"]),
                       f"{row['total_ms']:.3f}",
                       *[f"{row['kernels_ms'][n]:.3f} ({row['shares'][n]:.0%})" if n in row["kernels_ms"] else "-"

@@ -144,12 +144,16 @@ def model_rows(batches=MODEL_BATCHES, layers: int = MODEL_LAYERS, rounds: int = 
             order = [p for p in MODEL_PROVIDERS if p not in errors]
             for provider in order if r % 2 == 0 else order[::-1]:
                 model.set_attn_implementation(_implementation(provider))
-                with _model_context(provider):
+                try:
+                    with _model_context(provider):
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        _step(model, ids)
+                        torch.cuda.synchronize()
+                        seconds[provider].append(time.perf_counter() - start)
+                except Exception as error:  # noqa: BLE001 - reported in the row; the others go on
+                    errors[provider] = f"{type(error).__name__}: {str(error)[:200]}"
                     torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    _step(model, ids)
-                    torch.cuda.synchronize()
-                    seconds[provider].append(time.perf_counter() - start)
         row = {"section": "model", "model": MODEL_NAME, "layers": layers, "batch": batch, "seqlen": seqlen,
                "dtype": "bfloat16", "rounds": rounds}
         for provider in MODEL_PROVIDERS:

@@ -18,7 +18,9 @@ loop of ``P``): first the ``lse`` of every part (the max), then weights and its 
 outputs of non-empty parts. Every slice of a row computes the same weights, and the order of
 the sums is fixed, so the result is deterministic. Few rows of many parts (a batch-1 decode
 step split 33 ways has 32 rows) are cut into column slices, so the merge runs on more SMs
-(:func:`column_slices`).
+(:func:`column_slices`). The slicing follows from the shapes alone (rows, parts, head dim), so
+calls of one shape merge alike bit for bit; a row merged with another slicing (the same parts in
+a call with more rows) may differ from it in the last bit.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exponent_options, next_power_of_2, padded_head_dim
+from ._common import cdiv, exponent_options, next_power_of_2, padded_head_dim
 from ._launch import Launcher
 
 LOG2E = math.log2(math.e)
@@ -140,8 +142,8 @@ def combine(
         return
     padded = padded_head_dim(head_dim)
     rows = batch * seqlen * num_heads
-    slices = column_slices(rows, num_parts, padded)
-    block_d = padded // slices
+    block_d = padded // column_slices(rows, num_parts, padded)
+    slices = cdiv(head_dim, block_d)  # no program for a slice wholly past the head dim (72, 96)
     block_p = min(next_power_of_2(num_parts), max(1, MAX_TILE_ELEMENTS // block_d))
     lse_arg = lse if lse is not None else lse_parts  # unused pointer when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0, 0, 0)
