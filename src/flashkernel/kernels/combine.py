@@ -42,9 +42,11 @@ SLICE_COLUMNS = 32  # the narrowest slice
 
 
 def column_slices(num_rows: int, num_parts: int, block_d: int) -> int:
-    """Programs per row: with at least ``SLICE_MIN_PARTS`` parts, the largest power of two
-    that keeps slices of at least ``SLICE_COLUMNS`` columns and ``num_rows * slices`` within
-    ``SLICE_MAX_PROGRAMS`` (a batch-1 step of 32 query heads: 4 slices of head dim 128)."""
+    """Slices of a row's ``block_d`` (padded) columns: with at least ``SLICE_MIN_PARTS`` parts,
+    the largest power of two that keeps slices of at least ``SLICE_COLUMNS`` columns and
+    ``num_rows * slices`` within ``SLICE_MAX_PROGRAMS`` (a batch-1 step of 32 query heads: 4
+    slices of head dim 128). :func:`combine` launches only the slices that hold columns of the
+    head dim."""
     slices = 1
     if num_parts < SLICE_MIN_PARTS:
         return slices
