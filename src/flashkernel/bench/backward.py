@@ -49,11 +49,13 @@ import shlex
 import sys
 from pathlib import Path
 
+from .results import format_table
+from .training import SDPA_BACKENDS
+
 TOKENS = 16384
 MODEL_DIM = 2048
 DEFAULT_SHAPES = tuple((head_dim, causal, seqlen) for head_dim in (64, 128) for causal in (False, True)
                        for seqlen in (1024, 4096, 16384))
-SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 PROVIDERS = ("flashkernel", *SDPA_BACKENDS)
 BACKWARD_FLOPS_FORMULA = "backward FLOPs = 2.5 * 4 * B * H * S * S * D, halved when causal"
 
@@ -186,11 +188,9 @@ def format_rows(rows: list[dict]) -> str:
         diff = row.get("max_rel_diff_vs_sdpa_flash")
         cells.append(f"{diff:.1e}" if diff is not None else "-")
         lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
-    text = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines]
     errors = [f"{row['head_dim']}/{row['seqlen']}/{'causal' if row['causal'] else 'none'} {name}: "
               f"{row[name + '_error']}" for row in rows for name in PROVIDERS if name + "_error" in row]
-    return "\n".join(text + errors)
+    return "\n".join([format_table(lines[0], lines[1:], text_columns=0), *errors])
 
 
 SECTIONS = ("backward", "kernels", "layer", "model")
@@ -319,8 +319,7 @@ def format_kernel_rows(rows: list[dict]) -> str:
                       f"{row['total_ms']:.3f}",
                       *[f"{row['kernels_ms'][n]:.3f} ({row['shares'][n]:.0%})" if n in row["kernels_ms"] else "-"
                         for n in names]])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines)
+    return format_table(lines[0], lines[1:], text_columns=0)
 
 
 # ---- sweep: tile configurations timed on the GPU ------------------------------------------------

@@ -23,6 +23,8 @@ import contextlib
 import statistics
 import time
 
+from .results import format_table
+
 LAYER_PROVIDERS = ("flashkernel", "sdpa-flash", "sdpa-cudnn")
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 MODEL_PROVIDERS = ("flashkernel", "sdpa", "sdpa-flash", "sdpa-cudnn")
@@ -185,7 +187,7 @@ def format_layer_rows(rows: list[dict]) -> str:
         cells += [f"{row[p + '_tflops']:.1f}" if p + "_tflops" in row else "error" for p in LAYER_PROVIDERS]
         cells += [f"{row['vs_' + p]:.2f}x" if "vs_" + p in row else "-" for p in SDPA_BACKENDS]
         lines.append(cells)
-    return _aligned(lines)
+    return format_table(lines[0], lines[1:], text_columns=0)
 
 
 def format_model_rows(rows: list[dict]) -> str:
@@ -198,9 +200,4 @@ def format_model_rows(rows: list[dict]) -> str:
         lines.append(cells)
     errors = [f"{row['batch']} x {row['seqlen']} {p}: {row[p + '_error']}" for row in rows for p in MODEL_PROVIDERS
               if p + "_error" in row]
-    return "\n".join([_aligned(lines), *errors])
-
-
-def _aligned(lines: list[list[str]]) -> str:
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines)
+    return "\n".join([format_table(lines[0], lines[1:], text_columns=0), *errors])
