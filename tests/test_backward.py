@@ -61,10 +61,12 @@ SMALL_TILES = BackwardConfig(TileConfig(16, 32, 4, 1), TileConfig(32, 16, 4, 1),
 # ---- the wiring: forward, then the backward kernels; and the reference's autograd -------------
 
 
-def kernel_grads(q, k, v, dout, *, causal=False, softmax_scale=None, varlen=None, config=None, **variant):
+def kernel_grads(q, k, v, dout, *, causal=False, softmax_scale=None, varlen=None, config=None, backend="auto",
+                 deterministic=False, **variant):
     """``(dq, dk, dv, dsinks)`` from the forward's ``out``/``lse`` and ``attention_backward``.
 
-    ``varlen`` is ``(cu_seqlens_q, cu_seqlens_k)`` for packed inputs.
+    ``varlen`` is ``(cu_seqlens_q, cu_seqlens_k)`` for packed inputs; ``backend`` and
+    ``deterministic`` go to ``attention_backward``.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     if varlen is None:
@@ -78,7 +80,7 @@ def kernel_grads(q, k, v, dout, *, causal=False, softmax_scale=None, varlen=None
         packed = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
     grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
     dsinks = attention_backward(dout, q, k, v, out, lse, *grads, causal=causal, softmax_scale=scale, config=config,
-                                **packed, **variant)
+                                backend=backend, deterministic=deterministic, **packed, **variant)
     return (*grads, dsinks)
 
 
@@ -183,7 +185,8 @@ def check_grads(q, k, v, dout=None, **kwargs):
     """Run the kernels and assert every gradient is within the error bound; returns them."""
     dout = torch.randn_like(q) if dout is None else dout
     ours = kernel_grads(q, k, v, dout, **kwargs)
-    kwargs.pop("config", None)
+    for name in ("config", "backend", "deterministic"):
+        kwargs.pop(name, None)
     truth = reference_grads(q, k, v, dout, upcast=True, **kwargs)
     torch_grads = reference_grads(q, k, v, dout, upcast=False, **kwargs)
     magnitudes, lse_max = gradient_magnitudes(q, k, v, dout, **kwargs)
@@ -463,6 +466,36 @@ def test_deterministic():
         assert torch.equal(a, b)
 
 
+def test_backend_argument():
+    """"triton" is what "auto" runs here (bit for bit); "gluon" is refused with the reason (no GPU
+    in the interpreter; deterministic=True); a bad name or type is refused by name."""
+    q, k, v = random_qkv(1, 40, 40, 2, 1, 64, torch.float16)
+    dout = torch.randn_like(q)
+    auto = kernel_grads(q, k, v, dout, causal=True)
+    forced = kernel_grads(q, k, v, dout, causal=True, backend="triton")
+    for a, b in zip(auto[:3], forced[:3]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="backend='gluon' cannot run this call: it needs a CUDA GPU"):
+        kernel_grads(q, k, v, dout, backend="gluon")
+    with pytest.raises(ValueError, match="deterministic=True needs the Triton kernels"):
+        kernel_grads(q, k, v, dout, backend="gluon", deterministic=True)
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'triton', 'gluon', got 'cudnn'"):
+        kernel_grads(q, k, v, dout, backend="cudnn")
+    with pytest.raises(TypeError, match="backend must be a string"):
+        kernel_grads(q, k, v, dout, backend=None)
+
+
+@pytest.mark.parametrize("head_dim, causal, seqlen_k, programs, wanted", [
+    (64, False, 1024, 132, True), (64, False, 1023, 132, False), (64, False, 1024, 131, False),
+    (64, True, 4096, 200, True), (64, True, 2048, 200, False), (128, False, 4096, 200, True),
+    (128, False, 2048, 200, False), (128, True, 16384, 200, True), (128, True, 8192, 200, False),
+    (256, False, 16384, 200, False), (96, True, 16384, 200, False)])
+def test_gluon_backward_rule(head_dim, causal, seqlen_k, programs, wanted):
+    from flashkernel.kernels import dispatch
+
+    assert dispatch.gluon_backward_wanted(head_dim, causal, seqlen_k, programs, 132) is wanted
+
+
 def test_config_table_covers_every_head_dim():
     for block_d in (16, 32, 64, 128, 256):
         for table in (backward.CONFIGS, backward.FLOAT32_CONFIGS):
@@ -475,20 +508,89 @@ def test_config_table_covers_every_head_dim():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "gluon"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (17, 17), (4097, 4097), (1000, 4097), (4097, 1000)])
-def test_full_grid_gpu(seqlen_q, seqlen_k, head_dim, causal, dtype):
-    run_dense(1, seqlen_q, seqlen_k, (4, 2), head_dim, dtype, causal=causal)
+def test_full_grid_gpu(seqlen_q, seqlen_k, head_dim, causal, dtype, backend):
+    """Every shape edge on the kernels "auto" picks (mostly Triton's at these sizes) and on the
+    Gluon kernel forced (head dims 64 and 128)."""
+    if backend == "gluon" and head_dim not in (64, 128):
+        pytest.skip("the Gluon backward has head dims 64 and 128")
+    run_dense(1, seqlen_q, seqlen_k, (4, 2), head_dim, dtype, causal=causal, backend=backend)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "gluon"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8), (32, 4), (32, 1)], ids=["mha", "gqa4", "gqa8", "mqa32"])
-def test_gqa_gpu(heads, dtype):
-    """Includes groups split over several dK/dV programs (few key tiles per KV head)."""
-    run_dense(2, 1031, 1031, heads, 128, dtype, causal=True)
+def test_gqa_gpu(heads, dtype, backend):
+    """Includes groups split over several dK/dV programs (few key tiles per KV head; Triton's)
+    and whole groups in one program (Gluon's)."""
+    run_dense(2, 1031, 1031, heads, 128, dtype, causal=True, backend=backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_backward_rows_past_the_tiles_gpu(head_dim, causal):
+    """Several batches and heads whose rows and keys end inside a tile (Sq != Sk), so every
+    descriptor bound, masked store and +inf LSE of a row past the end is exercised; rows that
+    see no key (causal, Sq > Sk) get zero gradients."""
+    run_dense(3, 333, 200, (6, 3), head_dim, torch.bfloat16, causal=causal, backend="gluon")
+    run_dense(2, 200, 333, (4, 4), head_dim, torch.float16, causal=causal, backend="gluon")
+
+
+@pytest.mark.gpu
+def test_gluon_backward_calls_replayed_through_autograd_gpu():
+    """``loss.backward()`` of ``flash_attn_func`` at a shape "auto" runs on the Gluon kernel,
+    three times: the calls after the first replay the recorded launches, whose float32 dQ buffer
+    must start at zero every time (the cast leaves it so), so each call's gradients match the
+    Triton kernels' within bf16 rounding."""
+    q, k, v = random_qkv(1, 4096, 4096, 16, 16, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    expected = kernel_grads(q, k, v, dout, backend="triton")[:3]
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    for _ in range(3):
+        out = flashkernel.flash_attn_func(*leaves)
+        grads = torch.autograd.grad(out, leaves, dout)
+        for name, got, want in zip("qkv", grads, expected):
+            diff = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert diff < 2e-2, f"d{name}: relative difference {diff:.3e} to the Triton kernels"
+
+
+@pytest.mark.gpu
+def test_gluon_backward_extreme_logits_gpu():
+    run_dense(1, 2000, 2000, (4, 4), 128, torch.bfloat16, causal=True, softmax_scale=1.0, scale_q=12.0,
+              backend="gluon")
+
+
+@pytest.mark.gpu
+def test_auto_takes_the_gluon_backward_at_long_keys_gpu():
+    """At the sweep's 16k-token shapes "auto" runs the Gluon kernel unless determinism is asked
+    for: ``deterministic=True`` and ``torch.use_deterministic_algorithms`` keep the Triton kernels,
+    whose gradients repeat bit for bit."""
+    from flashkernel.kernels import dispatch
+
+    q, k, v = random_qkv(1, 4096, 4096, 16, 16, 128, torch.bfloat16)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    choose = lambda deterministic: dispatch.backward_backend(  # noqa: E731
+        "auto", q, k, v, torch.empty_like(q), grads, causal=False, window_size=(-1, -1), softcap=0.0,
+        alibi_slopes=None, sinks=None, varlen=False, deterministic=deterministic, config=None)
+    assert choose(False) == "gluon"
+    assert choose(True) == "triton"
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+    runs = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            out = flashkernel.flash_attn_func(*leaves)
+            runs.append(torch.autograd.grad(out, leaves, dout))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 @pytest.mark.gpu
@@ -523,9 +625,9 @@ def test_deterministic_gpu():
     """Bitwise equal over repeated runs at a size with many programs and a split GQA group."""
     q, k, v = random_qkv(1, 4097, 4097, 32, 1, 128, torch.bfloat16)
     dout = torch.randn_like(q)
-    first = kernel_grads(q, k, v, dout, causal=True)
+    first = kernel_grads(q, k, v, dout, causal=True, deterministic=True)
     for _ in range(3):
-        again = kernel_grads(q, k, v, dout, causal=True)
+        again = kernel_grads(q, k, v, dout, causal=True, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(first[:3], again[:3]))
 
 

@@ -49,6 +49,12 @@ def test_decode_kernel_compiles_for_sm90a():
 
 
 @needs_toolchain
+def test_backward_kernel_compiles_for_sm90a():
+    specs = cc.backward_specs()
+    assert_no_problems(cc.compile_in_child(specs), len(specs))
+
+
+@needs_toolchain
 def test_every_gluon_rule_of_the_table_is_compiled():
     for head_dim in cc.PREFILL_HEAD_DIMS:
         rules = tuning.gpu_entry(cc.GPU_NAME, "sm_90")["gluon"][str(head_dim)]

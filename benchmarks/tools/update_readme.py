@@ -88,15 +88,22 @@ def call_cost_table(results: Path) -> str:
 
 
 def _against_sdpa(rows: list[dict]) -> list[str]:
-    """Table lines: TFLOP/s of flashkernel and SDPA's FA2 and cuDNN backends per shape."""
-    lines = ["| head dim | mask | seqlen | flashkernel | SDPA FA2 | SDPA cuDNN | vs FA2 | vs cuDNN |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """Table lines: TFLOP/s of flashkernel and SDPA's FA2 and cuDNN backends per shape (and of
+    flashkernel's Triton kernels forced, when the rows have them)."""
+    triton = any("flashkernel-triton_tflops" in r for r in rows)
+    lines = ["| head dim | mask | seqlen | flashkernel |" + (" its Triton kernels |" if triton else "")
+             + " SDPA FA2 | SDPA cuDNN | vs FA2 | vs cuDNN |",
+             "| ---: | --- | ---: | ---: |" + (" ---: |" if triton else "") + " ---: | ---: | ---: | ---: |"]
     def cell(r, key, form):
         return form.format(r[key]) if key in r else "-"
 
     for r in rows:
-        lines.append(f"| {r['head_dim']} | {'causal' if r['causal'] else 'none'} | {r['seqlen']} | "
-                     f"{cell(r, 'flashkernel_tflops', '{:.0f}')} | {cell(r, 'sdpa-flash_tflops', '{:.0f}')} | "
+        ours = cell(r, 'flashkernel_tflops', '{:.0f}')
+        if r.get("flashkernel_backend") == "gluon":
+            ours += " (Gluon)"
+        lines.append(f"| {r['head_dim']} | {'causal' if r['causal'] else 'none'} | {r['seqlen']} | {ours} | "
+                     + (f"{cell(r, 'flashkernel-triton_tflops', '{:.0f}')} | " if triton else "")
+                     + f"{cell(r, 'sdpa-flash_tflops', '{:.0f}')} | "
                      f"{cell(r, 'sdpa-cudnn_tflops', '{:.0f}')} | {cell(r, 'vs_sdpa-flash', '{:.2f}x')} | "
                      f"{cell(r, 'vs_sdpa-cudnn', '{:.2f}x')} |")
     return lines

@@ -217,7 +217,8 @@ def bwd_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seql
              softcap: float, dlse):
     """Gradients ``(dq, dk, dv, dsinks)`` of a forward (dense, or packed with ``cu_seqlens_*``);
     ``dsinks`` is float32 ``[Hq]``, empty without sinks; ``dlse`` the gradient of the returned
-    LSE or None."""
+    LSE or None. Under ``torch.use_deterministic_algorithms(True)`` the gradients are bitwise
+    reproducible (the Triton kernels, no float atomics)."""
     from .kernels.backward import attention_backward
 
     dq, dk, dv = (allocate(x.shape, x.dtype, x.device) for x in (q, k, v))
@@ -227,7 +228,8 @@ def bwd_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seql
             dout, q, k, v, out, lse, dq, dk, dv, causal=causal, softmax_scale=softmax_scale,
             window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
-            max_seqlen_k=max_seqlen_k if varlen else None, dlse=dlse)
+            max_seqlen_k=max_seqlen_k if varlen else None, dlse=dlse,
+            deterministic=torch.are_deterministic_algorithms_enabled())
     if dsinks is None:
         dsinks = allocate(_EMPTY_LSE_SHAPE, torch.float32, q.device)
     return dq, dk, dv, dsinks

@@ -56,7 +56,9 @@ TOKENS = 16384
 MODEL_DIM = 2048
 DEFAULT_SHAPES = tuple((head_dim, causal, seqlen) for head_dim in (64, 128) for causal in (False, True)
                        for seqlen in (1024, 4096, 16384))
-PROVIDERS = ("flashkernel", *SDPA_BACKENDS)
+# "flashkernel": what attention_backward's "auto" runs (``flashkernel_backend`` in a row says which);
+# "flashkernel-triton": the Triton kernels forced, for comparison where "auto" takes the Gluon kernel.
+PROVIDERS = ("flashkernel", "flashkernel-triton", *SDPA_BACKENDS)
 BACKWARD_FLOPS_FORMULA = "backward FLOPs = 2.5 * 4 * B * H * S * S * D, halved when causal"
 
 
@@ -92,7 +94,7 @@ def _inputs(case: Case, dtype):
     return q, k, v
 
 
-def _flashkernel_backward(case: Case, q, k, v, dout):
+def _flashkernel_backward(case: Case, q, k, v, dout, backend: str = "auto"):
     """A zero-argument call running flashkernel's backward, and the gradients it writes."""
     import torch
 
@@ -104,9 +106,19 @@ def _flashkernel_backward(case: Case, q, k, v, dout):
     grads = tuple(torch.empty_like(x) for x in (q, k, v))
 
     def call():
-        attention_backward(dout, q, k, v, out, lse, *grads, causal=case.causal, softmax_scale=scale)
+        attention_backward(dout, q, k, v, out, lse, *grads, causal=case.causal, softmax_scale=scale,
+                           backend=backend)
 
     return call, grads
+
+
+def _auto_backend(case: Case, q, k, v) -> str:
+    """The backend ``attention_backward``'s "auto" picks for this case."""
+    from flashkernel.kernels import dispatch
+
+    return dispatch.backward_backend("auto", q, k, v, q, (q, k, v), causal=case.causal, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, sinks=None, varlen=False, deterministic=False,
+                                     config=None)
 
 
 def _sdpa_backward(case: Case, backend_name: str, q, k, v, dout):
@@ -146,7 +158,8 @@ def measure_case(case: Case, dtype=None, warmup_ms: int = 100, rep_ms: int = 500
     q, k, v = _inputs(case, dtype)
     dout = torch.randn_like(q)
     row = {"head_dim": case.head_dim, "causal": case.causal, "seqlen": case.seqlen, "batch": case.batch,
-           "heads": case.heads, "dtype": str(dtype).removeprefix("torch."), "flops": case.backward_flops()}
+           "heads": case.heads, "dtype": str(dtype).removeprefix("torch."), "flops": case.backward_flops(),
+           "flashkernel_backend": _auto_backend(case, q, k, v)}
     ours = None
 
     def make_call(name):
@@ -154,6 +167,8 @@ def measure_case(case: Case, dtype=None, warmup_ms: int = 100, rep_ms: int = 500
         if name == "flashkernel":
             call, ours = _flashkernel_backward(case, q, k, v, dout)
             return call
+        if name == "flashkernel-triton":
+            return _flashkernel_backward(case, q, k, v, dout, backend="triton")[0]
         return _sdpa_backward(case, SDPA_BACKENDS[name], q, k, v, dout)
 
     flash_grads = None
@@ -261,7 +276,8 @@ def run_backward_bench(shapes=DEFAULT_SHAPES, out_path: str | Path | None = None
 
 # ---- kernels: where a backward call's GPU time goes -----------------------------------------------
 
-KERNEL_NAMES = ("_delta_kernel", "_dkdv_kernel", "_dq_kernel", "_sum_kernel", "_sum_parts_kernel")
+KERNEL_NAMES = ("_delta_kernel", "_dkdv_kernel", "_dq_kernel", "_sum_kernel", "_sum_parts_kernel",
+                "_gluon_backward_kernel", "_dq_convert_kernel")
 
 
 def kernel_times(call, calls: int = 20) -> dict:

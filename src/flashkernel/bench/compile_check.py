@@ -13,7 +13,9 @@ strides and 16-byte alignment reach the compiler), then assembled for ``sm_90a``
 
 What fails a specialization (:func:`problems`):
 
-* both kernels: ptxas rejects the PTX, or spills (spill stores or loads > 0 bytes);
+* every kernel: ptxas rejects the PTX, or spills (spill stores or loads > 0 bytes; the backward
+  at head dim 128 within :data:`BACKWARD_SPILL_ALLOWANCE`);
+* backward: no ``HGMMA``, no TMA load or no TMA reduction (``cp.reduce.async.bulk.tensor``);
 * prefill: no ``wgmma`` in the PTX or no ``HGMMA`` in the SASS, no TMA bulk-tensor load or
   store, ptxas "Performance Loss" notes (it serialized the wgmma: every one waited for at once,
   no overlap; reported as info lines C7510-C7520, not warnings), and, for the pipelined loops,
@@ -44,6 +46,7 @@ from pathlib import Path
 # The Gluon kernel modules: the one place this module names them.
 PREFILL_GLUON = "flashkernel.kernels.gluon.prefill"
 DECODE_GLUON = "flashkernel.kernels.gluon.decode"
+BACKWARD_GLUON = "flashkernel.kernels.gluon.backward"
 
 ARCH = "sm_90a"
 GPU_NAME = "NVIDIA H200"  # whose table entry (by capability: sm_90) the default selection compiles
@@ -121,8 +124,33 @@ class DecodeSpec:
                 f"rows {self.group * self.seqlen_new}")
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardSpec:
+    """One specialization of the Gluon backward kernel."""
+
+    head_dim: int
+    causal: bool
+    dtype: str
+    family: str = "backward"
+
+    def label(self) -> str:
+        return f"backward {self.dtype} d{self.head_dim} {'causal' if self.causal else 'full'}"
+
+
+# Spill bytes (stored) the backward may show at sm_90a: at head dim 128 two float32 [64, 128]
+# accumulators (dK, dV) share the 240 registers of a consumer warpgroup with the score tiles, and
+# ptxas spills scalars (loop bounds, addresses) around the loop body (820 B without the mask, 924 B
+# causal); more than this fails the check.
+BACKWARD_SPILL_ALLOWANCE = {64: 0, 128: 1024}
+
+
+def backward_specs(head_dims=(64, 128), dtypes=DTYPES) -> list[BackwardSpec]:
+    return [BackwardSpec(head_dim, causal, dtype) for dtype in dtypes for head_dim in head_dims
+            for causal in (False, True)]
+
+
 def spec_from_dict(fields: dict):
-    kind = PrefillSpec if fields.get("family") == "prefill" else DecodeSpec
+    kind = {"prefill": PrefillSpec, "backward": BackwardSpec}.get(fields.get("family"), DecodeSpec)
     return kind(**fields)
 
 
@@ -142,7 +170,7 @@ def toolchain_problem() -> str | None:
         path = _nvidia_bin(tool)
         if not os.access(path, os.X_OK):
             return f"Triton's bundled {tool} is missing ({path})"
-    for name in (PREFILL_GLUON, DECODE_GLUON):
+    for name in (PREFILL_GLUON, DECODE_GLUON, BACKWARD_GLUON):
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - any import failure: another Triton, no Gluon
@@ -266,6 +294,7 @@ def ptx_counts(ptx: str) -> dict:
         ldmatrix=ptx.count("ldmatrix"),
         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)),
         tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
+        tma_reductions=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
         setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
     )
 
@@ -288,15 +317,23 @@ def prefill_config(spec: PrefillSpec):
     return dataclasses.replace(config, causal_pairs=config.causal_pairs is not False)
 
 
+def _standin_inputs(spec):
+    """CPU stand-ins for a prefill or backward launch: ``q [2, 200, 4, D]``, ``k [2, 300, 2,
+    D]`` in the spec's dtype and ``lse [2, 4, 200]`` float32."""
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    q = torch.empty(2, 200, 4, spec.head_dim, dtype=dtype)
+    k = torch.empty(2, 300, 2, spec.head_dim, dtype=dtype)
+    return q, k, torch.empty(2, 4, 200, dtype=torch.float32)
+
+
 def compile_prefill(spec: PrefillSpec) -> tuple[object, dict]:
     """``(compiled kernel, the config's fields)`` of one prefill specialization."""
     import torch
 
     gluon = importlib.import_module(PREFILL_GLUON)
-    dtype = getattr(torch, spec.dtype)
-    q = torch.empty(2, 200, 4, spec.head_dim, dtype=dtype)
-    k = torch.empty(2, 300, 2, spec.head_dim, dtype=dtype)
-    lse = torch.empty(2, 4, 200, dtype=torch.float32)
+    q, k, lse = _standin_inputs(spec)
     config = prefill_config(spec)
     _, args, kwargs = gluon.launch_args(q, k, torch.empty_like(k), torch.empty_like(q), lse, spec.causal, 0.125, config)
     options = {"num_warps": 4, "maxnreg": gluon.maxnreg_for(config)}
@@ -333,12 +370,27 @@ def compile_decode(spec: DecodeSpec) -> tuple[object, dict]:
     return compile_gluon(gluon._gluon_decode_kernel, args, kwargs, {"num_warps": 4}), dataclasses.asdict(config)
 
 
+def compile_backward(spec: BackwardSpec) -> tuple[object, dict]:
+    """``(compiled kernel, its launch constants)`` of one backward specialization."""
+    import torch
+
+    gluon = importlib.import_module(BACKWARD_GLUON)
+    q, k, lse = _standin_inputs(spec)
+    dq_acc = torch.empty(2, 4, 256, spec.head_dim, dtype=torch.float32)
+    _, args, kwargs = gluon.launch_args(q, k, torch.empty_like(k), torch.empty_like(q), lse, torch.empty_like(lse),
+                                        dq_acc, torch.empty_like(k), torch.empty_like(k), causal=spec.causal,
+                                        softmax_scale=0.1)
+    compiled = compile_gluon(gluon._gluon_backward_kernel, args, kwargs, {"num_warps": 4, "maxnreg": gluon.MAXNREG})
+    return compiled, {name: value for name, value in kwargs.items()}
+
+
 def check_spec(spec) -> dict:
     """Compile one specialization and report on it; ``problems`` lists what fails the check."""
     start = time.monotonic()
     report = dict(dataclasses.asdict(spec), label=spec.label())
     try:
-        compiled, config = compile_prefill(spec) if spec.family == "prefill" else compile_decode(spec)
+        compile_family = {"prefill": compile_prefill, "backward": compile_backward}.get(spec.family, compile_decode)
+        compiled, config = compile_family(spec)
     except Exception as exc:  # noqa: BLE001 - report every specialization
         report.update(error=f"{type(exc).__name__}: {exc}"[-2000:], problems=["does not compile"])
         return report
@@ -354,9 +406,15 @@ def problems(report: dict) -> list[str]:
     found = []
     if not report["ptxas_ok"]:
         return [f"ptxas failed: {report.get('ptxas_error', '')[-300:]}"]
-    if report["spill_stores"] or report["spill_loads"]:
+    allowance = BACKWARD_SPILL_ALLOWANCE[report["head_dim"]] if report["family"] == "backward" else 0
+    if report["spill_stores"] > allowance or report["spill_loads"] > allowance + allowance // 4:
         found.append(f"spills {report['spill_stores']} B stored / {report['spill_loads']} B loaded")
-    if report["family"] == "prefill":
+    if report["family"] == "backward":
+        if not report["hgmma"]:
+            found.append("no HGMMA")
+        if not report["tma_loads"] or not report["tma_reductions"]:
+            found.append(f"TMA loads {report['tma_loads']}, reductions {report['tma_reductions']}")
+    elif report["family"] == "prefill":
         if not report["wgmma"] or not report["hgmma"]:
             found.append(f"no wgmma (PTX {report['wgmma']}, SASS HGMMA {report['hgmma']})")
         if not report["tma_loads"] or not report["tma_stores"]:
@@ -448,8 +506,10 @@ def compile_in_child(specs, timeout: float = 900) -> list[dict]:
 def summary_line(report: dict) -> str:
     if "error" in report:
         return f"{report['label']}: FAILED {report['error'][:300]}"
-    counts = (f"wgmma {report['wgmma']}, exp2 under PV {report['mufu_overlap']}, setmaxnreg {report['setmaxnreg']}"
-              if report["family"] == "prefill" else f"mma.sync {report['mma_sync']}, ldmatrix {report['ldmatrix']}")
+    counts = {"prefill": f"wgmma {report['wgmma']}, exp2 under PV {report['mufu_overlap']}, setmaxnreg "
+                         f"{report['setmaxnreg']}",
+              "backward": f"wgmma {report['wgmma']}, TMA reductions {report['tma_reductions']}"}.get(
+        report["family"], f"mma.sync {report['mma_sync']}, ldmatrix {report['ldmatrix']}")
     verdict = "" if not report["problems"] else "  <-- " + "; ".join(report["problems"])
     return (f"{report['label']}: {report['registers']} regs (max R{report['max_register']}), spills "
             f"{report['spill_stores']}/{report['spill_loads']} B, {counts}, TMA {report['tma_loads']} loads/"
@@ -465,7 +525,8 @@ def selected_specs(args) -> list:
         variants = list(PREFILL_VARIANTS) if args.prefill_variants == ["all"] else args.prefill_variants
         specs = variant_prefill_specs(variants, args.prefill_head_dims, args.dtypes)
     caches = [None if name == "same" else name for name in args.decode_caches]
-    return specs + decode_specs(args.decode_head_dims, args.decode_pages, args.dtypes, cache_dtypes=caches)
+    return (specs + decode_specs(args.decode_head_dims, args.decode_pages, args.dtypes, cache_dtypes=caches)
+            + backward_specs(dtypes=args.dtypes))
 
 
 def main(argv=None) -> int:

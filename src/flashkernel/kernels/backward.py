@@ -36,7 +36,9 @@ Three kernels (and two small sums):
    like the forward, with the same one-loop masking.
 
 No float atomics anywhere: every gradient element is written by exactly one program, so the
-results are bitwise reproducible run to run and ``deterministic=True`` costs nothing. When a
+results are bitwise reproducible run to run. (On Hopper, ``attention_backward`` may instead run
+``gluon/backward.py``, which adds dQ with TMA reductions; ``deterministic=True`` keeps these
+kernels.) When a
 GQA group is split over several programs (few key tiles per KV head, e.g. MQA at short
 lengths), each part writes its own float32 slice and ``_sum_parts_kernel`` adds them in a fixed
 order, which is deterministic too.
@@ -61,6 +63,7 @@ from ._common import (cdiv, cuda_properties, dot_flags, exact_exponent, exponent
 from ._launch import Launcher, allocate
 from ._softmax import Variant, modified_scores, unmasked_run, visible_keys, window_span
 from .prefill import MAX_GRID_YZ, MAX_VARLEN_SEQS, _load_tile, _strides3, _varlen_tile
+from . import dispatch
 from .tuning import TileConfig
 
 LOG2E = math.log2(math.e)
@@ -645,6 +648,7 @@ def attention_backward(
     deterministic: bool = False,
     config: BackwardConfig | None = None,
     dlse: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor | None:
     """Gradients of attention into ``dq, dk, dv``; returns the sinks' gradient (or None).
 
@@ -670,10 +674,12 @@ def attention_backward(
     ``d lse_i / d s_ij = P_ij``, it enters as ``delta_i - dlse_i`` (and the sink's share of it
     adds ``sum exp(sink - lse) * dlse`` to the sinks' gradient).
 
-    ``deterministic`` is accepted for the API's sake: no kernel here uses atomics, so the
-    results are always bitwise reproducible for a given input shape and configuration.
+    ``backend``: ``"auto"`` takes the Gluon kernel (``gluon/backward.py``: five products, dQ
+    added by TMA reductions) where ``dispatch.backward_backend`` finds it faster, else these
+    Triton kernels; ``"triton"`` and ``"gluon"`` force one (``"gluon"`` raises ``ValueError``
+    for a call it does not serve). ``deterministic=True`` keeps the Triton kernels, whose results
+    are bitwise reproducible (no float atomics); the Gluon kernel's dQ is summed in arrival order.
     """
-    del deterministic  # always deterministic (module docstring)
     varlen = cu_seqlens_q is not None
     interpreted = is_interpreted(_dkdv_kernel)
     head_dim = q.shape[-1]
@@ -691,6 +697,9 @@ def attention_backward(
             grad.zero_()
         return torch.zeros(num_q_heads, dtype=torch.float32, device=q.device) if sinks is not None else None
 
+    chosen = dispatch.backward_backend(backend, q, k, v, dout, (dq, dk, dv), causal=causal, window_size=window_size,
+                                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, varlen=varlen,
+                                       deterministic=deterministic, config=config)
     config = config or pick_config(head_dim, q.dtype, interpreted, causal)
     variant = Variant.of(causal, tuple(window_size), softcap, alibi_slopes, sinks)
     dout, q, k, v, out, lse = (_last_dim_contiguous(x) for x in (dout, q, k, v, out, lse))
@@ -702,6 +711,13 @@ def attention_backward(
         if sinks is not None:
             sink_rows = sinks.float()[:, None] if varlen else sinks.float()[None, :, None]
             dsinks = dsinks + (torch.exp(sink_rows - lse) * dlse).sum(dim=1 if varlen else (0, 2))
+    if chosen == "gluon":
+        dispatch.gluon_backward_module().gluon_backward(dout, q, k, v, lse, delta, *targets, causal=causal,
+                                                        softmax_scale=softmax_scale)
+        for grad, target in zip((dq, dk, dv), targets):
+            if grad is not target:
+                grad.copy_(target)
+        return dsinks
     _dkdv(q, k, v, dout, lse, delta, targets[1], targets[2], cu_seqlens_q, cu_seqlens_k, variant,
           softmax_scale, layout, config, interpreted)
     _dq(q, k, v, dout, lse, delta, targets[0], cu_seqlens_q, cu_seqlens_k, variant, softmax_scale, layout,

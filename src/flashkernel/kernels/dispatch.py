@@ -1,6 +1,6 @@
 """Which kernel serves a call, and why not another.
 
-Two families, two backends each:
+Three families, two backends each:
 
 * prefill (``flash_attn_func``, ``flash_attn_varlen_func``): ``"triton"`` (``prefill.py``: every
   variant, packed sequences, any head dim, fp32, any GPU Triton supports, the interpreter) and
@@ -9,7 +9,11 @@ Two families, two backends each:
 * decode (``flash_attn_with_kvcache``): ``"triton"`` (``decode.py``: everything) and ``"gluon"``
   (``gluon/decode.py``: plain attention, Hopper, bf16/fp16, head dim 64/128/256, at most 16 rows
   of GQA group x new tokens, contiguous caches or pages of at least 16 keys, no key start,
-  TMA-compatible caches, in q's dtype or quantized with scales per tensor or KV head).
+  TMA-compatible caches, in q's dtype or quantized with scales per tensor or KV head);
+* backward (``kernels/backward.attention_backward``, the gradients of the prefill ops):
+  ``"triton"`` (``backward.py``: everything, bitwise reproducible) and ``"gluon"``
+  (``gluon/backward.py``: plain or causal attention, dense batches, Hopper, bf16/fp16, head dim
+  64/128, TMA-compatible inputs, not ``deterministic``: it sums dQ by TMA reductions).
 
 ``backend="auto"`` takes the Gluon kernel where it is supported and the policy wants it (prefill:
 always, it was faster at every measured shape; decode: while a CUDA graph is being captured,
@@ -19,9 +23,10 @@ lower; a step that appends only at small batches that are not tiny (``gluon_deco
 Triton kernel fuses the append, the Gluon kernel launches it separately); quantized caches too
 where ``DecodeTuning.gluon_quantized`` says so; eager calls keep the Triton kernel, chosen when
 the Gluon kernel's eager launch still encoded its TMA descriptors per call, see docs/perf-notes.md
-"Host TMA descriptors in the C launcher" for the comparison since), else Triton. Naming a
-backend that cannot run the call raises a ``ValueError`` with the reason from
-:func:`prefill_refusal` / :func:`decode_refusal` (None when supported).
+"Host TMA descriptors in the C launcher" for the comparison since; backward: from the key
+lengths of :data:`GLUON_BACKWARD_MIN_SEQLEN_K`), else Triton. Naming a backend that cannot run
+the call raises a ``ValueError`` with the reason from :func:`prefill_refusal` /
+:func:`decode_refusal` / :func:`backward_refusal` (None when supported).
 
 The environment is read once, at import (:data:`SETTINGS`): ``FLASHKERNEL_GLUON=0`` keeps
 ``"auto"`` on the Triton kernels.
@@ -81,6 +86,10 @@ def _gluon_prefill_module():
 
 def _gluon_decode_module():
     return optional_kernel_module("gluon.decode")
+
+
+def gluon_backward_module():
+    return optional_kernel_module("gluon.backward")
 
 
 def _hopper_refusal(x: torch.Tensor) -> str | None:
@@ -361,3 +370,64 @@ def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, ca
         if where is not None:
             plans[where] = launch
     return launch, triton_decode.length_arguments(k_cache, v_cache, variant, q.shape[1], quantized)
+
+
+# ---- backward ------------------------------------------------------------------------------------
+
+# Where "auto" takes the Gluon backward: from this key length per (head dim, causal), the shortest
+# length of the backward sweep (1k/4k/16k, bf16, 16k tokens per batch, model dim 2048;
+# ``flashkernel bench backward``, ``benchmarks/results/h200/backward.json``) at which it beat the
+# Triton kernels. Lengths between the sweep's points were not measured and keep the Triton kernels.
+GLUON_BACKWARD_MIN_SEQLEN_K = {(64, False): 1024, (64, True): 4096, (128, False): 4096, (128, True): 16384}
+
+
+def backward_refusal(backend: str, q, k, v, dout, grads, *, window_size, softcap, alibi_slopes, sinks, varlen: bool,
+                     deterministic: bool, config) -> str | None:
+    """Why ``backend`` cannot run this (validated) backward call, or None when it can."""
+    if backend == "triton":
+        return None
+    if deterministic:
+        return "deterministic=True needs the Triton kernels (the Gluon kernel adds dQ with float reductions)"
+    if config is not None:
+        return "a tile config selects the Triton kernels"
+    if varlen:
+        return "packed sequences run on the Triton kernels only"
+    if not Variant.of(False, tuple(window_size), softcap, alibi_slopes, sinks).is_plain:
+        return "the Gluon backward runs plain and causal attention only (no window, softcap, ALiBi or sinks)"
+    gluon = gluon_backward_module()
+    reason = _gluon_refusal(q, gluon)
+    if reason is not None:
+        return reason
+    if not gluon.supported(q, k, v, dout, *grads):
+        return ("it needs non-empty, TMA-compatible q, k, v and dout (16-byte aligned base addresses and "
+                "strides, a contiguous last dim) of one dtype, and gradients with a contiguous last dim")
+    return None
+
+
+def backward_backend(backend: str, q, k, v, dout, grads, *, causal: bool, window_size, softcap, alibi_slopes, sinks,
+                     varlen: bool, deterministic: bool, config) -> str:
+    """The backend that runs this backward call: ``backend`` itself, checked, or the choice of
+    "auto": the Gluon kernel where it serves the call, the keys are at least
+    :data:`GLUON_BACKWARD_MIN_SEQLEN_K` long and there is a program per SM (it does not split a
+    GQA group over programs), else the Triton kernels."""
+    check_backend(backend)
+    refusal = backward_refusal("gluon" if backend == "auto" else backend, q, k, v, dout, grads,
+                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                               varlen=varlen, deterministic=deterministic, config=config)
+    if backend != "auto":
+        _refuse(backend, refusal)
+        return backend
+    if refusal is not None or not SETTINGS.gluon:
+        return "triton"
+    programs = cdiv(k.shape[1], gluon_backward_module().BLOCK_N) * k.shape[0] * k.shape[2]
+    wanted = gluon_backward_wanted(q.shape[-1], causal, k.shape[1], programs,
+                                   cuda_properties(q.device).multi_processor_count)
+    return "gluon" if wanted else "triton"
+
+
+def gluon_backward_wanted(head_dim: int, causal: bool, seqlen_k: int, programs: int, sms: int) -> bool:
+    """The rule of "auto" for a call the Gluon backward serves: keys at least
+    :data:`GLUON_BACKWARD_MIN_SEQLEN_K` long and ``programs`` (key tiles x KV heads x batch) at
+    least one per SM."""
+    minimum = GLUON_BACKWARD_MIN_SEQLEN_K.get((head_dim, causal))
+    return minimum is not None and seqlen_k >= minimum and programs >= sms

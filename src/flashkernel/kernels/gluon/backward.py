@@ -1,0 +1,430 @@
+"""Attention backward in Gluon for Hopper (sm_90a): five products per tile, dQ reduced by TMA.
+
+Why: the Triton backward (``kernels/backward.py``) runs seven matrix products per pair of tiles
+(a dK/dV kernel with four, a dQ kernel that recomputes ``S`` and ``dP`` for its third) with no
+warp specialization, and reaches 0.65-0.87x of cuDNN's backward (docs/perf-notes.md,
+"Backward"). Folding dQ into the dK/dV kernel with Triton's atomics or TMA reductions was
+slower, because the fifth product and its reduction ran in series with the other four in the
+same warps. Here a producer warp streams the query-side tiles and two consumer warpgroups issue
+the products asynchronously (FlashAttention 3's structure).
+
+Design (one CTA = one tile of ``2 x 64`` keys of one (KV head, batch); 2 consumer warpgroups and
+a producer warp):
+
+* **Producer** (1 warp): loads the CTA's K and V tiles once, then for every query head of the
+  GQA group and every query tile of 64 rows that sees the keys, Q and dO into a
+  ``STAGES``-deep ring (``ready``/``empty`` mbarrier pairs; each ``empty`` expects both
+  consumers).
+* **Consumer** ``c`` owns keys ``[64 c, 64 c + 64)`` of the tile and keeps ``dK``, ``dV``
+  ``[64, D]`` (float32) in registers. Per query tile it issues ``S^T = K_c Q^T`` and
+  ``dP^T = V_c dO^T`` back to back, computes ``P^T = exp2(S^T * scale * log2 e - lse * log2
+  e)`` while ``dP^T`` runs, then ``dS^T = P^T (dP^T - delta)``, and issues ``dV += P^T dO``
+  and ``dK += dS^T Q`` with ``P^T`` and ``dS^T`` as register operands (nothing in registers
+  is transposed: the tiles are transposed from the start).
+* **dQ** (the fifth product): each consumer also writes its ``dS^T`` rows, in the input dtype,
+  into a shared ``[128, 64]`` buffer (two buffers, alternating by step); after both have
+  written (an mbarrier with two arrivals) ``dQ_tile = dS K`` runs over all 128 keys:
+  ``SPLIT_COLS`` (head dim 128) gives consumer ``c`` columns ``[c D/2, (c + 1) D/2)`` of it,
+  otherwise (head dim 64) one consumer takes the whole tile, alternating by step. The tile is
+  added to a float32 accumulator ``[B, Hq, Sq_pad, D]`` by a TMA reduction
+  (``cp.reduce.async.bulk.tensor ... add``), which a small kernel scales and casts into ``dq``.
+  Float additions in arrival order: the gradients are not bitwise reproducible run to run
+  (``deterministic=True`` takes the Triton kernels).
+* **Masks**: ``lse`` of rows past ``Sq`` (and of rows that see no key, ``-inf``) is read as
+  ``+inf``, so their ``P`` is 0 with no mask; a step whose tiles the causal diagonal crosses or
+  whose keys run past ``Sk`` masks ``P`` (keys past ``Sk`` are zero-filled by TMA, so their
+  ``S`` is 0 and ``exp2(-lse)`` could overflow for a row of very negative scores). Query tiles
+  entirely above the diagonal are not visited.
+* **Bounds**: Q, dO, K and V are read through rank-4 descriptors over ``[B, S, H, D]`` (box
+  ``[1, rows, 1, D]``): rows past ``S`` are zero-filled per (batch, head). dK and dV are
+  written with masked stores.
+
+Head dims 64 and 128, bf16/fp16, dense (not packed) inputs, no window, softcap, ALiBi or sinks;
+everything else takes the Triton kernels (:func:`supported`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import builtin
+
+from .._common import cdiv, tma_aligned
+from .._launch import Launcher, allocate
+from ..prefill import MAX_GRID_YZ
+from .common import TORCH_TO_GL, _alloc_barriers, _as_matrix, _ring_slot, make_descriptor
+
+LOG2E = math.log2(math.e)
+WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of the transposed tiles)
+NUM_CONSUMERS = 2
+BLOCK_N = WG_KEYS * NUM_CONSUMERS  # keys per program
+BLOCK_M = 64  # query rows per step
+HEAD_DIMS = (64, 128)
+STAGES = 2
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+_WG = gl.constexpr(WG_KEYS)
+_BM = gl.constexpr(BLOCK_M)
+
+
+@gluon.constexpr_function
+def _mma_layout(n):
+    """Accumulator layout of one warpgroup's ``[64, n]`` wgmma."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+# ---- the step sequence, shared by the producer and the consumers ----------------------------------
+
+
+@gluon.jit
+def _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr):
+    """First 64-row query tile that sees a key of the tile starting at ``key0`` (bottom-right
+    causal: row ``i`` sees keys ``<= i + Sk - Sq``)."""
+    if CAUSAL:
+        return gl.maximum(key0 - (seqlen_k - seqlen_q), 0) // _BM
+    else:
+        return key0 * 0
+
+
+# ---- producer ----------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, q_bufs, do_bufs, kv_ready, ready, empty,
+              seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    n_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    b = gl.program_id(2)
+    key0 = n_block * (2 * _WG)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, key0, kv_head, 0], kv_ready, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [b, key0, kv_head, 0], kv_ready, v_buf)
+    m_first = _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL)
+    m_tiles = gl.cdiv(seqlen_q, _BM)
+    t = 0
+    for i in range(group_size):
+        head = kv_head * group_size + i
+        for m in range(m_first, m_tiles):
+            slot, phase = _ring_slot(t, STAGES)
+            mbarrier.wait(empty.index(slot), phase ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, m * _BM, head, 0], ready.index(slot), q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [b, m * _BM, head, 0], ready.index(slot), do_bufs.index(slot))
+            t += 1
+
+
+# ---- consumers ---------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _row_stats(Lse, Delta, strides, b, head, m, seqlen_q, col_layout: gl.constexpr):
+    """``lse * log2 e`` (``+inf`` past ``Sq`` and for rows that see no key) and ``delta`` of
+    query rows ``[64 m, 64 m + 64)``, in the column layout of the transposed score tile."""
+    rows = m * _BM + gl.arange(0, _BM, layout=col_layout)
+    stride_lb, stride_lh, stride_db, stride_dh = strides
+    valid = rows < seqlen_q
+    lse = gl.load(Lse + b.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows, mask=valid,
+                  other=float("inf"))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = gl.load(Delta + b.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh + rows, mask=valid,
+                    other=0.0)
+    return lse, delta
+
+
+@gluon.jit
+def _store_rows(ptr, acc, b, kv_head, key0, seqlen_k, strides, HEAD_DIM: gl.constexpr):
+    """Masked store of a ``[64, D]`` float32 accumulator as rows ``key0 ..`` of ``ptr [B, Sk,
+    Hkv, D]`` (the pointer's dtype)."""
+    stride_b, stride_s, stride_h = strides
+    layout: gl.constexpr = acc.type.layout
+    keys = key0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    base = ptr + b.to(gl.int64) * stride_b + kv_head.to(gl.int64) * stride_h
+    ptrs = base + gl.expand_dims(keys.to(gl.int64) * stride_s, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, acc.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
+
+
+@gluon.jit
+def _tma_reduce_from(desc, coord, src):
+    """Issue ``global[box at coord] += src`` (a shared tile) as a TMA bulk reduction; the caller
+    waits (``tma.store_wait``) before writing ``src`` again."""
+    _tma_reduce_shared(desc, coord, src)
+
+
+@builtin
+def _tma_reduce_shared(desc, coord, src, _semantic=None):
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, stats_strides,
+          keys, key_limit, seqlen_q, shift, qk_scale,
+          ME: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+          SPLIT_COLS: gl.constexpr):
+    """One query tile of 64 rows against this warpgroup's 64 keys: the five products, dK/dV
+    accumulated, this warpgroup's share of the dQ tile reduced into ``dq_desc``. ``MASK``: some
+    pair of the tile is invisible (keys past ``key_limit``, or the causal diagonal)."""
+    k_mine, v_mine, k_cols = kv
+    q_bufs, do_bufs, ds_bufs, dq_buf = bufs
+    ready, empty, ds_ready = bars
+    dtype: gl.constexpr = k_mine.dtype
+    HEAD_DIM: gl.constexpr = k_mine.shape[1]
+    DQ_COLS: gl.constexpr = k_cols.shape[1]
+    s_layout: gl.constexpr = _mma_layout(_BM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_DIM), k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    slot, phase = _ring_slot(t, STAGES)
+    lse, delta = _row_stats(Lse, Delta, stats_strides, b, head, m, seqlen_q, col_layout)
+    mbarrier.wait(ready.index(slot), phase)
+    q_s = _as_matrix(q_bufs.index(slot))  # [64, D]
+    do_s = _as_matrix(do_bufs.index(slot))
+    zero = gl.zeros([_WG, _BM], gl.float32, s_layout)
+    st = warpgroup_mma(k_mine, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_mine, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st,))
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+    if MASK:
+        visible = gl.expand_dims(keys < key_limit, 1)
+        if CAUSAL:
+            rows = m * _BM + gl.arange(0, _BM, layout=col_layout)
+            visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0))
+        pt = gl.where(visible, pt, 0.0)
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
+    ds_buf = ds_bufs.index(t % 2)
+    ds_buf.slice(ME * _WG, _WG, dim=0).store(dst)
+    fence_async_shared()
+    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
+    mbarrier.arrive(ds_ready.index(t % 2))
+    mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+    dq_layout: gl.constexpr = _mma_layout(DQ_COLS)
+    if SPLIT_COLS:
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, gl.zeros([_BM, DQ_COLS], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+        dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
+        mbarrier.arrive(empty.index(slot))
+        tma.store_wait(0)  # the previous step's reduction has read dq_buf
+        dq_buf.store(dq)
+        fence_async_shared()
+        _tma_reduce_from(dq_desc, [dq_row0 + m * _BM, ME * DQ_COLS], dq_buf)
+    else:
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(slot))
+        if t % 2 == ME:
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, gl.zeros([_BM, DQ_COLS], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            tma.store_wait(0)
+            dq_buf.store(dq)
+            fence_async_shared()
+            _tma_reduce_from(dq_desc, [dq_row0 + m * _BM, 0], dq_buf)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_strides, DK, DV, dk_strides, dv_strides,
+              seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
+              ME: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT_COLS: gl.constexpr):
+    n_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    b = gl.program_id(2)
+    num_q_heads = gl.num_programs(1) * group_size
+    key0 = n_block * (2 * _WG)
+    my_key0 = key0 + ME * _WG
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    q_bufs, do_bufs, ds_bufs, dq_bufs = bufs
+    my_bufs = (q_bufs, do_bufs, ds_bufs, dq_bufs.index(ME))
+
+    mbarrier.wait(kv_ready, 0)
+    k_all = _as_matrix(k_buf)  # [128, D]
+    if SPLIT_COLS:
+        k_cols = k_all.slice(ME * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # [128, D/2]
+    else:
+        k_cols = k_all
+    kv = (k_all.slice(ME * _WG, _WG, dim=0), _as_matrix(v_buf).slice(ME * _WG, _WG, dim=0), k_cols)
+
+    dk = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
+    keys = my_key0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, _mma_layout(_BM)))
+    shift = seqlen_k - seqlen_q
+    m_first = _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL)
+    m_tiles = gl.cdiv(seqlen_q, _BM)
+    # Steps before m_plain have an invisible pair somewhere in the CTA's keys: the causal diagonal
+    # crosses them (row 64 m < last key - shift), or the keys run past Sk (every step then).
+    if key0 + 2 * _WG > seqlen_k:
+        m_plain = m_tiles
+    elif CAUSAL:
+        m_plain = gl.minimum(gl.maximum(gl.cdiv(key0 + 2 * _WG - 1 - shift, _BM), m_first), m_tiles)
+    else:
+        m_plain = m_first
+    t = 0
+    for i in range(group_size):
+        head = kv_head * group_size + i
+        dq_row0 = (b * num_q_heads + head) * sq_pad
+        for m in range(m_first, m_plain):
+            dk, dv = _step(t, m, head, b, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, Lse, Delta, stats_strides,
+                           keys, seqlen_k, seqlen_q, shift, qk_scale, ME, True, CAUSAL, STAGES, SPLIT_COLS)
+            t += 1
+        for m in range(m_plain, m_tiles):
+            dk, dv = _step(t, m, head, b, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, Lse, Delta, stats_strides,
+                           keys, seqlen_k, seqlen_q, shift, qk_scale, ME, False, CAUSAL, STAGES, SPLIT_COLS)
+            t += 1
+    _store_rows(DK, dk * sm_scale, b, kv_head, my_key0, seqlen_k, dk_strides, HEAD_DIM)
+    _store_rows(DV, dv, b, kv_head, my_key0, seqlen_k, dv_strides, HEAD_DIM)
+    tma.store_wait(0)  # the last reduction has read dq_buf before the CTA's shared memory goes
+
+
+# Lengths, head counts and strides change between calls; they only feed scalar index math.
+@gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_dkb", "stride_dks",
+                              "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh", "seqlen_q", "seqlen_k",
+                              "group_size", "sq_pad"])
+def _gluon_backward_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV,
+    stride_lb, stride_lh, stride_db, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, SPLIT_COLS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Grid ``(cdiv(Sk, 128), Hkv, B)``; 4 warps (+ 4 for the second consumer, 1 producer warp).
+
+    Descriptors: q/dO ``[B, Sq, Hq, D]`` box ``[1, 64, 1, D]``; k/v ``[B, Sk, Hkv, D]`` box ``[1,
+    128, 1, D]``; dq_desc float32 ``[B * Hq * sq_pad, D]`` box ``[64, D/2]`` (``SPLIT_COLS``) or
+    ``[64, D]``. ``Lse``, ``Delta`` float32 ``[B, Hq, Sq]`` (rows contiguous, strides given);
+    ``DK``, ``DV`` ``[B, Sk, Hkv, D]`` (last dim contiguous, strides given).
+    """
+    dtype: gl.constexpr = q_desc.dtype
+    k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _WG, _BM], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * _WG, _BM], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_ready = _alloc_barriers(1, 1).index(0)
+    ready = _alloc_barriers(STAGES, 1)
+    empty = _alloc_barriers(STAGES, 2)  # both consumers release each stage
+    ds_ready = _alloc_barriers(2, 2)  # both consumers wrote their dS rows
+    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before first use
+    bufs = (q_bufs, do_bufs, ds_bufs, dq_bufs)
+    bars = (ready, empty, ds_ready)
+    stats_strides = (stride_lb, stride_lh, stride_db, stride_dh)
+    dk_strides = (stride_dkb, stride_dks, stride_dkh)
+    dv_strides = (stride_dvb, stride_dvs, stride_dvh)
+    gl.warp_specialize([
+        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_strides, DK, DV, dk_strides,
+                     dv_strides, seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
+                     0, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
+        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_strides, DK, DV, dk_strides,
+                     dv_strides, seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
+                     1, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, q_bufs, do_bufs, kv_ready, ready, empty,
+                     seqlen_q, seqlen_k, group_size, CAUSAL, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@triton.jit
+def _dq_convert_kernel(Acc, DQ, stride_b, stride_s, stride_h, seqlen_q, num_heads, sq_pad, sm_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """``dq[b, s, h] = scale * acc[b, h, s]`` cast to dq's dtype, and ``acc`` zeroed again for
+    the next call; grid ``(sq_pad / BLOCK, Hq, B)``."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    cols = tl.arange(0, HEAD_DIM)
+    src = Acc + ((b * num_heads + head).to(tl.int64) * sq_pad + rows[:, None]) * HEAD_DIM + cols[None, :]
+    mask = rows[:, None] < seqlen_q
+    acc = tl.load(src, mask=mask, other=0.0)
+    dst = DQ + b.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_s
+    tl.store(dst + cols[None, :], (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask)
+    # The zeros may be stored by other threads than those that loaded each element (the two
+    # accesses get their own layouts): every load of the block happens before any zero store.
+    tl.debug_barrier()
+    tl.store(src, tl.zeros([BLOCK, HEAD_DIM], tl.float32))
+
+
+# ---- host side --------------------------------------------------------------------------------
+
+
+def supported(q, k, v, dout, dq, dk, dv) -> bool:
+    """Whether the kernel can take these tensors (the variant, device and dtype are the dispatch
+    layer's checks): dense ``[B, S, H, D]`` inputs of one dtype, head dim 64/128, no empty dim,
+    q/k/v/dout TMA-ready, gradients with a contiguous last dim, the batch and KV heads within a
+    grid axis (65535) and the float32 dQ buffer's rows within TMA's int32 coordinates."""
+    if q.dim() != 4 or q.dtype not in TORCH_TO_GL or q.shape[-1] not in HEAD_DIMS:
+        return False
+    dq_rows = q.shape[0] * q.shape[2] * cdiv(q.shape[1], BLOCK_M) * BLOCK_M
+    if max(k.shape[0], k.shape[2]) > MAX_GRID_YZ or dq_rows >= 2**31:
+        return False
+    if any(x.dtype != q.dtype or x.device != q.device for x in (k, v, dout, dq, dk, dv)):
+        return False
+    if min(*q.shape[:3], *k.shape[:3]) < 1:
+        return False
+    if not all(tma_aligned(x, broadcast=False) for x in (q, k, v, dout)):
+        return False
+    return all(x.stride(-1) == 1 for x in (dq, dk, dv))
+
+
+def launch_args(q, k, v, dout, lse, delta, dq_acc, dk, dv, *, causal: bool, softmax_scale: float):
+    """``(grid, args, kwargs)`` of the backward kernel (also used to compile without a GPU)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    split_cols = head_dim == 128
+    dq_cols = head_dim // 2 if split_cols else head_dim
+    sq_pad = dq_acc.shape[2]
+    dq_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, dq_cols], gl.float32)
+    dq_desc = TensorDescriptor(dq_acc, [batch * num_heads * sq_pad, head_dim], [head_dim, 1], [BLOCK_M, dq_cols],
+                               dq_layout)
+    grid = (cdiv(seqlen_k, BLOCK_N), num_kv_heads, batch)
+    args = (make_descriptor(q, BLOCK_M), make_descriptor(k, BLOCK_N), make_descriptor(v, BLOCK_N),
+            make_descriptor(dout, BLOCK_M), dq_desc, lse, delta, dk, dv,
+            lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), *dk.stride()[:3], *dv.stride()[:3],
+            seqlen_q, seqlen_k, num_heads // num_kv_heads, sq_pad, softmax_scale * LOG2E, softmax_scale)
+    kwargs = dict(HEAD_DIM=head_dim, CAUSAL=causal, STAGES=STAGES, SPLIT_COLS=split_cols,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+    return grid, args, kwargs
+
+
+MAXNREG = (65536 // (128 * (NUM_CONSUMERS + 1))) // 8 * 8  # 168: setmaxnreg moves them (240 + 240 + 24)
+CONVERT_ROWS = BLOCK_M  # rows per program of the cast (sq_pad is a multiple)
+
+
+def gluon_backward(dout, q, k, v, lse, delta, dq, dk, dv, *, causal: bool, softmax_scale: float) -> None:
+    """dQ, dK, dV of dense attention into ``dq, dk, dv`` (inputs checked by :func:`supported`).
+
+    ``q, dout, dq [B, Sq, Hq, D]``, ``k, v, dk, dv [B, Sk, Hkv, D]``; ``lse`` (the forward's,
+    natural log) and ``delta`` (``rowsum(dO * out)``) float32 ``[B, Hq, Sq]`` with contiguous
+    rows. dK/dV of a KV head are summed over its query heads.
+    """
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    sq_pad = cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    # Zeroed when allocated; the cast leaves it at zero, so a recorded call's replay that keeps
+    # it (``_launch.allocate``'s ``zeroed``) needs no fill of its own.
+    dq_acc = allocate((batch, num_heads, sq_pad, head_dim), torch.float32, q.device, zeroed=True)
+    grid, args, kwargs = launch_args(q, k, v, dout, lse, delta, dq_acc, dk, dv, causal=causal,
+                                     softmax_scale=softmax_scale)
+    _launch_kernel(grid, *args, **kwargs, num_warps=4, maxnreg=MAXNREG)
+    _launch_convert((sq_pad // CONVERT_ROWS, num_heads, batch), dq_acc, dq, dq.stride(0), dq.stride(1),
+                    dq.stride(2), seqlen_q, num_heads, sq_pad, softmax_scale, HEAD_DIM=head_dim,
+                    BLOCK=CONVERT_ROWS, num_warps=4, num_stages=1)
+
+
+_launch_kernel = Launcher(_gluon_backward_kernel)
+_launch_convert = Launcher(_dq_convert_kernel)
