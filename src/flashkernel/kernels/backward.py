@@ -714,14 +714,11 @@ def attention_backward(
     if chosen == "gluon":
         dispatch.gluon_backward_module().gluon_backward(dout, q, k, v, lse, delta, *targets, causal=causal,
                                                         softmax_scale=softmax_scale)
-        for grad, target in zip((dq, dk, dv), targets):
-            if grad is not target:
-                grad.copy_(target)
-        return dsinks
-    _dkdv(q, k, v, dout, lse, delta, targets[1], targets[2], cu_seqlens_q, cu_seqlens_k, variant,
-          softmax_scale, layout, config, interpreted)
-    _dq(q, k, v, dout, lse, delta, targets[0], cu_seqlens_q, cu_seqlens_k, variant, softmax_scale, layout,
-        config, interpreted)
+    else:
+        _dkdv(q, k, v, dout, lse, delta, targets[1], targets[2], cu_seqlens_q, cu_seqlens_k, variant,
+              softmax_scale, layout, config, interpreted)
+        _dq(q, k, v, dout, lse, delta, targets[0], cu_seqlens_q, cu_seqlens_k, variant, softmax_scale, layout,
+            config, interpreted)
     for grad, target in zip((dq, dk, dv), targets):
         if grad is not target:
             grad.copy_(target)

@@ -158,15 +158,11 @@ def _store_rows(ptr, acc, b, kv_head, key0, seqlen_k, strides, HEAD_DIM: gl.cons
     gl.store(ptrs, acc.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
 
 
-@gluon.jit
-def _tma_reduce_from(desc, coord, src):
-    """Issue ``global[box at coord] += src`` (a shared tile) as a TMA bulk reduction; the caller
-    waits (``tma.store_wait``) before writing ``src`` again."""
-    _tma_reduce_shared(desc, coord, src)
-
-
 @builtin
-def _tma_reduce_shared(desc, coord, src, _semantic=None):
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """Issue ``global[box at coord] += src`` (a shared tile) as a TMA bulk reduction; the caller
+    waits (``tma.store_wait``) before writing ``src`` again. Gluon 3.6 has no Hopper call for it:
+    the op is built through the builder, as Triton's ``tensor_descriptor.atomic_add`` builds its own."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
@@ -223,7 +219,7 @@ def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, s
         tma.store_wait(0)  # the previous step's reduction has read dq_buf
         dq_buf.store(dq)
         fence_async_shared()
-        _tma_reduce_from(dq_desc, [dq_row0 + m * _BM, ME * DQ_COLS], dq_buf)
+        _tma_reduce_add(dq_desc, [dq_row0 + m * _BM, ME * DQ_COLS], dq_buf)
     else:
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         mbarrier.arrive(empty.index(slot))
@@ -234,7 +230,7 @@ def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, s
             tma.store_wait(0)
             dq_buf.store(dq)
             fence_async_shared()
-            _tma_reduce_from(dq_desc, [dq_row0 + m * _BM, 0], dq_buf)
+            _tma_reduce_add(dq_desc, [dq_row0 + m * _BM, 0], dq_buf)
     return dk, dv
 
 
