@@ -485,10 +485,30 @@ def test_backend_argument():
         kernel_grads(q, k, v, dout, backend=None)
 
 
+def test_gluon_backward_supported_tensors():
+    """The Gluon kernel's tensor check (metadata only): dK/dV leave by TMA stores, so they must be
+    TMA-ready like the inputs; dq needs only a contiguous last dim (a cast kernel writes it)."""
+    from flashkernel.kernels.gluon import backward as gluon_backward
+
+    q = torch.empty(2, 100, 4, 64, dtype=torch.bfloat16)
+    k = torch.empty(2, 90, 2, 64, dtype=torch.bfloat16)
+    grads = lambda: [torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)]  # noqa: E731
+    assert gluon_backward.supported(q, k, k, q, *grads())
+    shifted = torch.empty(2 * 90 * 2 * 64 + 1, dtype=torch.bfloat16)[1:].view(k.shape)  # 2-byte aligned
+    for i in (1, 2):
+        bad = grads()
+        bad[i] = shifted
+        assert not gluon_backward.supported(q, k, k, q, *bad)
+    dq_strided = torch.empty(2, 100, 4, 72, dtype=torch.bfloat16)[..., :64]  # rows of 144 bytes
+    assert gluon_backward.supported(q, k, k, q, dq_strided, *grads()[1:])
+    dq_columns = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim of stride 4
+    assert not gluon_backward.supported(q, k, k, q, dq_columns, *grads()[1:])
+
+
 @pytest.mark.parametrize("head_dim, causal, seqlen_k, programs, wanted", [
     (64, False, 1024, 132, True), (64, False, 1023, 132, False), (64, False, 1024, 131, False),
-    (64, True, 4096, 200, True), (64, True, 2048, 200, False), (128, False, 4096, 200, True),
-    (128, False, 2048, 200, False), (128, True, 16384, 200, True), (128, True, 8192, 200, False),
+    (64, True, 1024, 200, True), (64, True, 1000, 200, False), (128, False, 1024, 200, True),
+    (128, False, 512, 200, False), (128, True, 1024, 200, True), (128, True, 16384, 100, False),
     (256, False, 16384, 200, False), (96, True, 16384, 200, False)])
 def test_gluon_backward_rule(head_dim, causal, seqlen_k, programs, wanted):
     from flashkernel.kernels import dispatch
@@ -558,6 +578,57 @@ def test_gluon_backward_calls_replayed_through_autograd_gpu():
         for name, got, want in zip("qkv", grads, expected):
             diff = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             assert diff < 2e-2, f"d{name}: relative difference {diff:.3e} to the Triton kernels"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_backward_with_lse_gradient_gpu(head_dim):
+    """A gradient into the returned LSE (``dlse``) enters the Gluon kernel's row statistics: its
+    gradients of ``(out * dout + lse * dlse).sum()`` are as close to float64 autograd as the
+    Triton kernels' (rows past ``Sq`` and keys past ``Sk`` inside the last tiles)."""
+    q, k, v = random_qkv(2, 300, 333, 4, 2, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    scale = head_dim ** -0.5
+    out, lse = flashkernel.flash_attn_func(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+    dlse = torch.randn_like(lse)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = reference.attention(*leaves, causal=True, softmax_scale=scale)
+    want = torch.autograd.grad((ref_out * dout.double()).sum() + (ref_lse * dlse.double()).sum(), leaves)
+    errors = {}
+    for backend in ("triton", "gluon"):
+        grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+        attention_backward(dout, q, k, v, out, lse, *grads, causal=True, softmax_scale=scale, dlse=dlse,
+                           backend=backend)
+        errors[backend] = [((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(grads, want)]
+    for name, mine, triton in zip("qkv", errors["gluon"], errors["triton"]):
+        assert mine <= 2 * triton + 1e-3, f"d{name}: relative error {mine:.3e}, Triton kernels {triton:.3e}"
+
+
+def test_gluon_row_statistics_kernel():
+    """The Gluon backward's row statistics (run by the interpreter here): ``lse * log2 e`` with
+    ``-inf`` read as ``+inf``, ``rowsum(dO * out) - dlse``, and ``+inf`` / 0 in the padded rows."""
+    from flashkernel.kernels.gluon import backward as gluon_backward
+
+    batch, seqlen, heads, head_dim, sq_pad = 2, 70, 3, 64, 128
+    out = torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.float16)
+    dout = torch.randn_like(out)
+    lse = torch.randn(batch, heads, seqlen, device=DEVICE)
+    lse[0, 1, 5] = float("-inf")
+    dlse = torch.randn_like(lse)
+    for grad_lse in (None, dlse):
+        stats = torch.full((batch * heads, 2, sq_pad), float("nan"), device=DEVICE)
+        gluon_backward._launch_stats(
+            (sq_pad // 64, heads, batch), out, dout, lse, lse if grad_lse is None else grad_lse, stats,
+            out.stride()[:3], dout.stride()[:3], lse.stride(), lse.stride(), seqlen, heads, sq_pad, HEAD_DIM=head_dim,
+            BLOCK=64, HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
+        delta = (out.float() * dout.float()).sum(-1).transpose(1, 2)
+        if grad_lse is not None:
+            delta = delta - grad_lse
+        want_lse = torch.where(lse == float("-inf"), float("inf"), lse) * math.log2(math.e)
+        stats = stats.view(batch, heads, 2, sq_pad)
+        torch.testing.assert_close(stats[:, :, 0, :seqlen], want_lse, rtol=1e-6, atol=0)
+        torch.testing.assert_close(stats[:, :, 1, :seqlen], delta, rtol=1e-5, atol=1e-5)
+        assert (stats[:, :, 0, seqlen:] == float("inf")).all() and (stats[:, :, 1, seqlen:] == 0).all()
 
 
 @pytest.mark.gpu

@@ -277,7 +277,7 @@ def run_backward_bench(shapes=DEFAULT_SHAPES, out_path: str | Path | None = None
 # ---- kernels: where a backward call's GPU time goes -----------------------------------------------
 
 KERNEL_NAMES = ("_delta_kernel", "_dkdv_kernel", "_dq_kernel", "_sum_kernel", "_sum_parts_kernel",
-                "_gluon_backward_kernel", "_dq_convert_kernel")
+                "_row_stats_kernel", "_gluon_backward_kernel", "_dq_convert_kernel")
 
 
 def kernel_times(call, calls: int = 20) -> dict:

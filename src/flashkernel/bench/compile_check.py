@@ -139,9 +139,9 @@ class BackwardSpec:
 
 # Spill bytes (stored) the backward may show at sm_90a: at head dim 128 two float32 [64, 128]
 # accumulators (dK, dV) share the 240 registers of a consumer warpgroup with the score tiles, and
-# ptxas spills scalars (loop bounds, addresses) around the loop body (820 B without the mask, 924 B
-# causal); more than this fails the check.
-BACKWARD_SPILL_ALLOWANCE = {64: 0, 128: 1024}
+# ptxas spills a few scalars outside the loops (64 B without the mask, 136 B causal; the loop
+# bodies spill nothing since the row statistics come from shared memory); more fails the check.
+BACKWARD_SPILL_ALLOWANCE = {64: 0, 128: 256}
 
 
 def backward_specs(head_dims=(64, 128), dtypes=DTYPES) -> list[BackwardSpec]:
@@ -375,10 +375,12 @@ def compile_backward(spec: BackwardSpec) -> tuple[object, dict]:
     import torch
 
     gluon = importlib.import_module(BACKWARD_GLUON)
-    q, k, lse = _standin_inputs(spec)
-    dq_acc = torch.empty(2, 4, 256, spec.head_dim, dtype=torch.float32)
-    _, args, kwargs = gluon.launch_args(q, k, torch.empty_like(k), torch.empty_like(q), lse, torch.empty_like(lse),
-                                        dq_acc, torch.empty_like(k), torch.empty_like(k), causal=spec.causal,
+    q, k, _ = _standin_inputs(spec)
+    sq_pad = 256
+    dq_acc = torch.empty(2, 4, sq_pad, spec.head_dim, dtype=torch.float32)
+    stats = torch.empty(2 * 4, 2, sq_pad, dtype=torch.float32)
+    _, args, kwargs = gluon.launch_args(q, k, torch.empty_like(k), torch.empty_like(q), stats, dq_acc,
+                                        torch.empty_like(k), torch.empty_like(k), causal=spec.causal,
                                         softmax_scale=0.1)
     compiled = compile_gluon(gluon._gluon_backward_kernel, args, kwargs, {"num_warps": 4, "maxnreg": gluon.MAXNREG})
     return compiled, {name: value for name, value in kwargs.items()}

@@ -705,16 +705,17 @@ def attention_backward(
     dout, q, k, v, out, lse = (_last_dim_contiguous(x) for x in (dout, q, k, v, out, lse))
     targets = [g if g.stride(-1) == 1 else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in (dq, dk, dv)]
 
-    delta, dsinks = _delta(out, dout, lse, sinks, layout, config)
-    if dlse is not None:
-        delta = delta - dlse
-        if sinks is not None:
-            sink_rows = sinks.float()[:, None] if varlen else sinks.float()[None, :, None]
-            dsinks = dsinks + (torch.exp(sink_rows - lse) * dlse).sum(dim=1 if varlen else (0, 2))
-    if chosen == "gluon":
-        dispatch.gluon_backward_module().gluon_backward(dout, q, k, v, lse, delta, *targets, causal=causal,
-                                                        softmax_scale=softmax_scale)
+    dsinks = None
+    if chosen == "gluon":  # no sinks there; it computes its own row statistics
+        dispatch.gluon_backward_module().gluon_backward(dout, q, k, v, out, lse, *targets, causal=causal,
+                                                        softmax_scale=softmax_scale, dlse=dlse)
     else:
+        delta, dsinks = _delta(out, dout, lse, sinks, layout, config)
+        if dlse is not None:
+            delta = delta - dlse
+            if sinks is not None:
+                sink_rows = sinks.float()[:, None] if varlen else sinks.float()[None, :, None]
+                dsinks = dsinks + (torch.exp(sink_rows - lse) * dlse).sum(dim=1 if varlen else (0, 2))
         _dkdv(q, k, v, dout, lse, delta, targets[1], targets[2], cu_seqlens_q, cu_seqlens_k, variant,
               softmax_scale, layout, config, interpreted)
         _dq(q, k, v, dout, lse, delta, targets[0], cu_seqlens_q, cu_seqlens_k, variant, softmax_scale, layout,

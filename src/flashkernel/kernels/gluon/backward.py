@@ -12,9 +12,12 @@ Design (one CTA = one tile of ``2 x 64`` keys of one (KV head, batch); 2 consume
 a producer warp):
 
 * **Producer** (1 warp): loads the CTA's K and V tiles once, then for every query head of the
-  GQA group and every query tile of 64 rows that sees the keys, Q and dO into a
+  GQA group and every query tile of 64 rows that sees the keys, Q, dO and the rows' statistics
+  (``lse * log2 e`` and ``delta``, written beforehand by :func:`_row_stats_kernel`) into a
   ``STAGES``-deep ring (``ready``/``empty`` mbarrier pairs; each ``empty`` expects both
-  consumers).
+  consumers). The consumers read the statistics from shared memory after each product they
+  feed has completed, so that the 32 values per thread are not live across the products: at
+  head dim 128 with global loads ptxas spilled ~0.8 KB inside the loop.
 * **Consumer** ``c`` owns keys ``[64 c, 64 c + 64)`` of the tile and keeps ``dK``, ``dV``
   ``[64, D]`` (float32) in registers. Per query tile it issues ``S^T = K_c Q^T`` and
   ``dP^T = V_c dO^T`` back to back, computes ``P^T = exp2(S^T * scale * log2 e - lse * log2
@@ -36,8 +39,10 @@ a producer warp):
   ``S`` is 0 and ``exp2(-lse)`` could overflow for a row of very negative scores). Query tiles
   entirely above the diagonal are not visited.
 * **Bounds**: Q, dO, K and V are read through rank-4 descriptors over ``[B, S, H, D]`` (box
-  ``[1, rows, 1, D]``): rows past ``S`` are zero-filled per (batch, head). dK and dV are
-  written with masked stores.
+  ``[1, rows, 1, D]``): rows past ``S`` are zero-filled per (batch, head). dK and dV leave the
+  same way: after the last step (both consumers meet at ``done``) each consumer stages its tiles
+  in its stage of the Q/dO ring and TMA stores them, dropping rows past ``Sk`` (masked register
+  stores of 2 bytes each were a quarter of the consumers' time at 1k keys in a profile).
 
 Head dims 64 and 128, bf16/fp16, dense (not packed) inputs, no window, softcap, ALiBi or sinks;
 everything else takes the Triton kernels (:func:`supported`).
@@ -65,7 +70,7 @@ from triton.language.core import builtin
 
 from .._common import cdiv, tma_aligned
 from .._launch import Launcher, allocate
-from ..prefill import MAX_GRID_YZ
+from ..prefill import MAX_GRID_YZ, _strides3
 from .common import TORCH_TO_GL, _alloc_barriers, _as_matrix, _ring_slot, make_descriptor
 
 LOG2E = math.log2(math.e)
@@ -104,8 +109,8 @@ def _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, q_bufs, do_bufs, kv_ready, ready, empty,
-              seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready,
+              empty, seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     n_block = gl.program_id(0)
     kv_head = gl.program_id(1)
     b = gl.program_id(2)
@@ -115,15 +120,19 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, q_bufs, do_bufs, kv
     tma.async_copy_global_to_shared(v_desc, [b, key0, kv_head, 0], kv_ready, v_buf)
     m_first = _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL)
     m_tiles = gl.cdiv(seqlen_q, _BM)
+    num_q_heads = gl.num_programs(1) * group_size
     t = 0
     for i in range(group_size):
         head = kv_head * group_size + i
         for m in range(m_first, m_tiles):
             slot, phase = _ring_slot(t, STAGES)
             mbarrier.wait(empty.index(slot), phase ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, m * _BM, head, 0], ready.index(slot), q_bufs.index(slot))
             tma.async_copy_global_to_shared(do_desc, [b, m * _BM, head, 0], ready.index(slot), do_bufs.index(slot))
+            tma.async_copy_global_to_shared(stats_desc, [b * num_q_heads + head, 0, m * _BM], ready.index(slot),
+                                            stats_bufs.index(slot))
             t += 1
 
 
@@ -131,31 +140,13 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, q_bufs, do_bufs, kv
 
 
 @gluon.jit
-def _row_stats(Lse, Delta, strides, b, head, m, seqlen_q, col_layout: gl.constexpr):
-    """``lse * log2 e`` (``+inf`` past ``Sq`` and for rows that see no key) and ``delta`` of
-    query rows ``[64 m, 64 m + 64)``, in the column layout of the transposed score tile."""
-    rows = m * _BM + gl.arange(0, _BM, layout=col_layout)
-    stride_lb, stride_lh, stride_db, stride_dh = strides
-    valid = rows < seqlen_q
-    lse = gl.load(Lse + b.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows, mask=valid,
-                  other=float("inf"))
-    lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = gl.load(Delta + b.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh + rows, mask=valid,
-                    other=0.0)
-    return lse, delta
-
-
-@gluon.jit
-def _store_rows(ptr, acc, b, kv_head, key0, seqlen_k, strides, HEAD_DIM: gl.constexpr):
-    """Masked store of a ``[64, D]`` float32 accumulator as rows ``key0 ..`` of ``ptr [B, Sk,
-    Hkv, D]`` (the pointer's dtype)."""
-    stride_b, stride_s, stride_h = strides
-    layout: gl.constexpr = acc.type.layout
-    keys = key0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    base = ptr + b.to(gl.int64) * stride_b + kv_head.to(gl.int64) * stride_h
-    ptrs = base + gl.expand_dims(keys.to(gl.int64) * stride_s, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, acc.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
+def _row_stat(stats_bufs, slot, which: gl.constexpr, col_layout: gl.constexpr):
+    """``lse * log2 e`` (``which`` 0) or ``delta`` (1) of a step's 64 query rows from its ``[1,
+    2, 64]`` shared tile (row-major: a TMA box without swizzling), in the column layout of the
+    transposed score tile."""
+    STAGES: gl.constexpr = stats_bufs.shape[0]
+    rows = stats_bufs._reinterpret(gl.float32, [STAGES * 2, _BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    return rows.index(2 * slot + which).load(col_layout)
 
 
 @builtin
@@ -168,15 +159,14 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, stats_strides,
-          keys, key_limit, seqlen_q, shift, qk_scale,
+def _step(t, m, dk, dv, kv, bufs, bars, dq_desc, dq_row0, keys, key_limit, shift, qk_scale,
           ME: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
           SPLIT_COLS: gl.constexpr):
     """One query tile of 64 rows against this warpgroup's 64 keys: the five products, dK/dV
     accumulated, this warpgroup's share of the dQ tile reduced into ``dq_desc``. ``MASK``: some
     pair of the tile is invisible (keys past ``key_limit``, or the causal diagonal)."""
     k_mine, v_mine, k_cols = kv
-    q_bufs, do_bufs, ds_bufs, dq_buf = bufs
+    q_bufs, do_bufs, stats_bufs, ds_bufs, dq_buf = bufs
     ready, empty, ds_ready = bars
     dtype: gl.constexpr = k_mine.dtype
     HEAD_DIM: gl.constexpr = k_mine.shape[1]
@@ -186,7 +176,6 @@ def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, s
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     slot, phase = _ring_slot(t, STAGES)
-    lse, delta = _row_stats(Lse, Delta, stats_strides, b, head, m, seqlen_q, col_layout)
     mbarrier.wait(ready.index(slot), phase)
     q_s = _as_matrix(q_bufs.index(slot))  # [64, D]
     do_s = _as_matrix(do_bufs.index(slot))
@@ -194,6 +183,8 @@ def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, s
     st = warpgroup_mma(k_mine, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_mine, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     st = warpgroup_mma_wait(1, deps=(st,))
+    # Read after the wait, so that the 32 values are not live across the two products.
+    lse = _row_stat(stats_bufs, slot, 0, col_layout)
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
     if MASK:
         visible = gl.expand_dims(keys < key_limit, 1)
@@ -202,6 +193,7 @@ def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, s
             visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0))
         pt = gl.where(visible, pt, 0.0)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    delta = _row_stat(stats_bufs, slot, 1, col_layout)
     dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
     ds_buf = ds_bufs.index(t % 2)
@@ -235,8 +227,8 @@ def _step(t, m, head, b, dk, dv, kv, bufs, bars, dq_desc, dq_row0, Lse, Delta, s
 
 
 @gluon.jit
-def _consumer(k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_strides, DK, DV, dk_strides, dv_strides,
-              seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
+def _consumer(k_buf, v_buf, bufs, kv_ready, bars, done, dq_desc, dk_desc, dv_desc, seqlen_q, seqlen_k,
+              group_size, sq_pad, qk_scale, sm_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
               SPLIT_COLS: gl.constexpr):
     n_block = gl.program_id(0)
@@ -246,8 +238,8 @@ def _consumer(k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_str
     key0 = n_block * (2 * _WG)
     my_key0 = key0 + ME * _WG
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    q_bufs, do_bufs, ds_bufs, dq_bufs = bufs
-    my_bufs = (q_bufs, do_bufs, ds_bufs, dq_bufs.index(ME))
+    q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs = bufs
+    my_bufs = (q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs.index(ME))
 
     mbarrier.wait(kv_ready, 0)
     k_all = _as_matrix(k_buf)  # [128, D]
@@ -276,25 +268,30 @@ def _consumer(k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_str
         head = kv_head * group_size + i
         dq_row0 = (b * num_q_heads + head) * sq_pad
         for m in range(m_first, m_plain):
-            dk, dv = _step(t, m, head, b, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, Lse, Delta, stats_strides,
-                           keys, seqlen_k, seqlen_q, shift, qk_scale, ME, True, CAUSAL, STAGES, SPLIT_COLS)
+            dk, dv = _step(t, m, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, keys, seqlen_k, shift, qk_scale,
+                           ME, True, CAUSAL, STAGES, SPLIT_COLS)
             t += 1
         for m in range(m_plain, m_tiles):
-            dk, dv = _step(t, m, head, b, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, Lse, Delta, stats_strides,
-                           keys, seqlen_k, seqlen_q, shift, qk_scale, ME, False, CAUSAL, STAGES, SPLIT_COLS)
+            dk, dv = _step(t, m, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, keys, seqlen_k, shift, qk_scale,
+                           ME, False, CAUSAL, STAGES, SPLIT_COLS)
             t += 1
-    _store_rows(DK, dk * sm_scale, b, kv_head, my_key0, seqlen_k, dk_strides, HEAD_DIM)
-    _store_rows(DV, dv, b, kv_head, my_key0, seqlen_k, dv_strides, HEAD_DIM)
-    tma.store_wait(0)  # the last reduction has read dq_buf before the CTA's shared memory goes
+    # dK and dV leave through the Q/dO ring (stage ME: one tile each), by TMA stores that drop the
+    # rows past Sk; the ring is free once both consumers' last products have read it.
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    dtype: gl.constexpr = dk_desc.dtype
+    _as_matrix(q_bufs.index(ME)).store((dk * sm_scale).to(dtype))
+    _as_matrix(do_bufs.index(ME)).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, my_key0, kv_head, 0], q_bufs.index(ME))
+    tma.async_copy_shared_to_global(dv_desc, [b, my_key0, kv_head, 0], do_bufs.index(ME))
+    tma.store_wait(0)  # the stores and the last reduction have read shared memory before the CTA ends
 
 
-# Lengths, head counts and strides change between calls; they only feed scalar index math.
-@gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_dkb", "stride_dks",
-                              "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh", "seqlen_q", "seqlen_k",
-                              "group_size", "sq_pad"])
+# Lengths and head counts change between calls; they only feed scalar index math.
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size", "sq_pad"])
 def _gluon_backward_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV,
-    stride_lb, stride_lh, stride_db, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    q_desc, k_desc, v_desc, do_desc, stats_desc, dq_desc, dk_desc, dv_desc,
     seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, SPLIT_COLS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -302,15 +299,17 @@ def _gluon_backward_kernel(
     """Grid ``(cdiv(Sk, 128), Hkv, B)``; 4 warps (+ 4 for the second consumer, 1 producer warp).
 
     Descriptors: q/dO ``[B, Sq, Hq, D]`` box ``[1, 64, 1, D]``; k/v ``[B, Sk, Hkv, D]`` box ``[1,
-    128, 1, D]``; dq_desc float32 ``[B * Hq * sq_pad, D]`` box ``[64, D/2]`` (``SPLIT_COLS``) or
-    ``[64, D]``. ``Lse``, ``Delta`` float32 ``[B, Hq, Sq]`` (rows contiguous, strides given);
-    ``DK``, ``DV`` ``[B, Sk, Hkv, D]`` (last dim contiguous, strides given).
+    128, 1, D]``; stats_desc float32 ``[B * Hq, 2, sq_pad]`` (``lse * log2 e`` and ``delta``
+    of each row, :func:`_row_stats_kernel`) box ``[1, 2, 64]``; dq_desc float32 ``[B * Hq * sq_pad,
+    D]`` box ``[64, D/2]`` (``SPLIT_COLS``) or ``[64, D]``; dk/dv ``[B, Sk, Hkv, D]`` box ``[1,
+    64, 1, D]`` (the Q box's shape and layout: they are staged in its ring).
     """
     dtype: gl.constexpr = q_desc.dtype
     k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    stats_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _WG, _BM], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * _WG, _BM], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
@@ -318,22 +317,48 @@ def _gluon_backward_kernel(
     ready = _alloc_barriers(STAGES, 1)
     empty = _alloc_barriers(STAGES, 2)  # both consumers release each stage
     ds_ready = _alloc_barriers(2, 2)  # both consumers wrote their dS rows
+    done = _alloc_barriers(1, 2).index(0)  # both consumers are past their last step
     fence_async_shared()  # barrier inits visible to the async proxy (TMA) before first use
-    bufs = (q_bufs, do_bufs, ds_bufs, dq_bufs)
+    bufs = (q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs)
     bars = (ready, empty, ds_ready)
-    stats_strides = (stride_lb, stride_lh, stride_db, stride_dh)
-    dk_strides = (stride_dkb, stride_dks, stride_dkh)
-    dv_strides = (stride_dvb, stride_dvs, stride_dvh)
+    gl.static_assert(STAGES >= 2, "dK/dV are staged in one ring stage per consumer")
     gl.warp_specialize([
-        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_strides, DK, DV, dk_strides,
-                     dv_strides, seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
-                     0, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
-        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, dq_desc, Lse, Delta, stats_strides, DK, DV, dk_strides,
-                     dv_strides, seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
-                     1, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, q_bufs, do_bufs, kv_ready, ready, empty,
-                     seqlen_q, seqlen_k, group_size, CAUSAL, STAGES)),
+        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, done, dq_desc, dk_desc, dv_desc, seqlen_q, seqlen_k,
+                     group_size, sq_pad, qk_scale, sm_scale, 0, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
+        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, done, dq_desc, dk_desc, dv_desc, seqlen_q, seqlen_k,
+                     group_size, sq_pad, qk_scale, sm_scale, 1, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready,
+                     ready, empty, seqlen_q, seqlen_k, group_size, CAUSAL, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@triton.jit
+def _row_stats_kernel(Out, DOut, Lse, DLse, Stats, o_strides, do_strides, lse_strides, dlse_strides, seqlen_q,
+                      num_heads, sq_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """``stats[b * Hq + h] = (lse * log2 e, delta)`` of rows ``[0, sq_pad)``, ``delta =
+    rowsum(dO * out) - dlse``; ``lse = -inf`` (a row that sees no key) and rows past ``Sq``
+    become ``+inf`` (``P = 0`` without a mask), delta 0 past ``Sq``. Grid ``(sq_pad / BLOCK,
+    Hq, B)``; ``*_strides``: ``(batch, row, head)`` of ``out``/``dO`` (last dim contiguous),
+    ``(batch, head, row)`` of ``lse``/``dlse``."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    head = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    valid = rows < seqlen_q
+    cols = tl.arange(0, HEAD_DIM)
+    o = tl.load(Out + b * o_strides[0] + head * o_strides[2] + rows[:, None].to(tl.int64) * o_strides[1]
+                + cols[None, :], mask=valid[:, None], other=0.0)
+    do = tl.load(DOut + b * do_strides[0] + head * do_strides[2] + rows[:, None].to(tl.int64) * do_strides[1]
+                 + cols[None, :], mask=valid[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLse + b * dlse_strides[0] + head * dlse_strides[1] + rows * dlse_strides[2], mask=valid,
+                         other=0.0)
+    lse = tl.load(Lse + b * lse_strides[0] + head * lse_strides[1] + rows * lse_strides[2], mask=valid,
+                  other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    dst = Stats + (b * num_heads + head) * (2 * sq_pad) + rows
+    tl.store(dst, lse)
+    tl.store(dst + sq_pad, delta)
 
 
 @triton.jit
@@ -362,8 +387,9 @@ def _dq_convert_kernel(Acc, DQ, stride_b, stride_s, stride_h, seqlen_q, num_head
 def supported(q, k, v, dout, dq, dk, dv) -> bool:
     """Whether the kernel can take these tensors (the variant, device and dtype are the dispatch
     layer's checks): dense ``[B, S, H, D]`` inputs of one dtype, head dim 64/128, no empty dim,
-    q/k/v/dout TMA-ready, gradients with a contiguous last dim, the batch and KV heads within a
-    grid axis (65535) and the float32 dQ buffer's rows within TMA's int32 coordinates."""
+    q/k/v/dout and dk/dv TMA-ready (dK/dV leave by TMA stores), dq with a contiguous last dim, the
+    batch and KV heads within a grid axis (65535) and the float32 dQ buffer's rows within TMA's
+    int32 coordinates."""
     if q.dim() != 4 or q.dtype not in TORCH_TO_GL or q.shape[-1] not in HEAD_DIMS:
         return False
     dq_rows = q.shape[0] * q.shape[2] * cdiv(q.shape[1], BLOCK_M) * BLOCK_M
@@ -373,12 +399,12 @@ def supported(q, k, v, dout, dq, dk, dv) -> bool:
         return False
     if min(*q.shape[:3], *k.shape[:3]) < 1:
         return False
-    if not all(tma_aligned(x, broadcast=False) for x in (q, k, v, dout)):
+    if not all(tma_aligned(x, broadcast=False) for x in (q, k, v, dout, dk, dv)):
         return False
-    return all(x.stride(-1) == 1 for x in (dq, dk, dv))
+    return dq.stride(-1) == 1
 
 
-def launch_args(q, k, v, dout, lse, delta, dq_acc, dk, dv, *, causal: bool, softmax_scale: float):
+def launch_args(q, k, v, dout, stats, dq_acc, dk, dv, *, causal: bool, softmax_scale: float):
     """``(grid, args, kwargs)`` of the backward kernel (also used to compile without a GPU)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
@@ -388,10 +414,13 @@ def launch_args(q, k, v, dout, lse, delta, dq_acc, dk, dv, *, causal: bool, soft
     dq_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, dq_cols], gl.float32)
     dq_desc = TensorDescriptor(dq_acc, [batch * num_heads * sq_pad, head_dim], [head_dim, 1], [BLOCK_M, dq_cols],
                                dq_layout)
+    stats_layout = gl.NVMMASharedLayout.get_default_for([1, 2, BLOCK_M], gl.float32)
+    stats_desc = TensorDescriptor(stats, [batch * num_heads, 2, sq_pad], [2 * sq_pad, sq_pad, 1], [1, 2, BLOCK_M],
+                                  stats_layout)
     grid = (cdiv(seqlen_k, BLOCK_N), num_kv_heads, batch)
     args = (make_descriptor(q, BLOCK_M), make_descriptor(k, BLOCK_N), make_descriptor(v, BLOCK_N),
-            make_descriptor(dout, BLOCK_M), dq_desc, lse, delta, dk, dv,
-            lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), *dk.stride()[:3], *dv.stride()[:3],
+            make_descriptor(dout, BLOCK_M), stats_desc, dq_desc, make_descriptor(dk, WG_KEYS),
+            make_descriptor(dv, WG_KEYS),
             seqlen_q, seqlen_k, num_heads // num_kv_heads, sq_pad, softmax_scale * LOG2E, softmax_scale)
     kwargs = dict(HEAD_DIM=head_dim, CAUSAL=causal, STAGES=STAGES, SPLIT_COLS=split_cols,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
@@ -399,22 +428,28 @@ def launch_args(q, k, v, dout, lse, delta, dq_acc, dk, dv, *, causal: bool, soft
 
 
 MAXNREG = (65536 // (128 * (NUM_CONSUMERS + 1))) // 8 * 8  # 168: setmaxnreg moves them (240 + 240 + 24)
-CONVERT_ROWS = BLOCK_M  # rows per program of the cast (sq_pad is a multiple)
+CONVERT_ROWS = BLOCK_M  # rows per program of the row statistics and the cast (sq_pad is a multiple)
 
 
-def gluon_backward(dout, q, k, v, lse, delta, dq, dk, dv, *, causal: bool, softmax_scale: float) -> None:
+def gluon_backward(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, softmax_scale: float, dlse=None) -> None:
     """dQ, dK, dV of dense attention into ``dq, dk, dv`` (inputs checked by :func:`supported`).
 
-    ``q, dout, dq [B, Sq, Hq, D]``, ``k, v, dk, dv [B, Sk, Hkv, D]``; ``lse`` (the forward's,
-    natural log) and ``delta`` (``rowsum(dO * out)``) float32 ``[B, Hq, Sq]`` with contiguous
-    rows. dK/dV of a KV head are summed over its query heads.
+    ``q, dout, out, dq [B, Sq, Hq, D]`` (``out``, ``dout`` with a contiguous last dim), ``k, v,
+    dk, dv [B, Sk, Hkv, D]``; ``lse`` (the forward's, natural log) and ``dlse`` (a gradient
+    flowing into it, or None) float32 ``[B, Hq, Sq]``. dK/dV of a KV head are summed over its
+    query heads.
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     sq_pad = cdiv(seqlen_q, BLOCK_M) * BLOCK_M
     # Zeroed when allocated; the cast leaves it at zero, so a recorded call's replay that keeps
     # it (``_launch.allocate``'s ``zeroed``) needs no fill of its own.
     dq_acc = allocate((batch, num_heads, sq_pad, head_dim), torch.float32, q.device, zeroed=True)
-    grid, args, kwargs = launch_args(q, k, v, dout, lse, delta, dq_acc, dk, dv, causal=causal,
+    stats = allocate((batch * num_heads, 2, sq_pad), torch.float32, q.device)
+    _launch_stats((sq_pad // CONVERT_ROWS, num_heads, batch), out, dout, lse, lse if dlse is None else dlse, stats,
+                  _strides3(out), _strides3(dout), lse.stride(), (0, 0, 0) if dlse is None else dlse.stride(),
+                  seqlen_q, num_heads, sq_pad, HEAD_DIM=head_dim, BLOCK=CONVERT_ROWS, HAS_DLSE=dlse is not None,
+                  num_warps=4, num_stages=1)
+    grid, args, kwargs = launch_args(q, k, v, dout, stats, dq_acc, dk, dv, causal=causal,
                                      softmax_scale=softmax_scale)
     _launch_kernel(grid, *args, **kwargs, num_warps=4, maxnreg=MAXNREG)
     _launch_convert((sq_pad // CONVERT_ROWS, num_heads, batch), dq_acc, dq, dq.stride(0), dq.stride(1),
@@ -424,3 +459,4 @@ def gluon_backward(dout, q, k, v, lse, delta, dq, dk, dv, *, causal: bool, softm
 
 _launch_kernel = Launcher(_gluon_backward_kernel)
 _launch_convert = Launcher(_dq_convert_kernel)
+_launch_stats = Launcher(_row_stats_kernel)
