@@ -566,8 +566,8 @@ def test_gluon_backward_rows_past_the_tiles_gpu(head_dim, causal):
 def test_gluon_backward_calls_replayed_through_autograd_gpu():
     """``loss.backward()`` of ``flash_attn_func`` at a shape "auto" runs on the Gluon kernel,
     three times: the calls after the first replay the recorded launches, whose float32 dQ buffer
-    must start at zero every time (the cast leaves it so), so each call's gradients match the
-    Triton kernels' within bf16 rounding."""
+    must start at zero every time (the row statistics' pass zeroes it), so each call's gradients
+    match the Triton kernels' within bf16 rounding."""
     q, k, v = random_qkv(1, 4096, 4096, 16, 16, 128, torch.bfloat16)
     dout = torch.randn_like(q)
     expected = kernel_grads(q, k, v, dout, backend="triton")[:3]
@@ -606,7 +606,8 @@ def test_gluon_backward_with_lse_gradient_gpu(head_dim):
 
 def test_gluon_row_statistics_kernel():
     """The Gluon backward's row statistics (run by the interpreter here): ``lse * log2 e`` with
-    ``-inf`` read as ``+inf``, ``rowsum(dO * out) - dlse``, and ``+inf`` / 0 in the padded rows."""
+    ``-inf`` read as ``+inf``, ``rowsum(dO * out) - dlse``, and ``+inf`` / 0 in the padded rows;
+    the float32 dQ accumulator zeroed, padded rows included."""
     from flashkernel.kernels.gluon import backward as gluon_backward
 
     batch, seqlen, heads, head_dim, sq_pad = 2, 70, 3, 64, 128
@@ -617,8 +618,9 @@ def test_gluon_row_statistics_kernel():
     dlse = torch.randn_like(lse)
     for grad_lse in (None, dlse):
         stats = torch.full((batch * heads, 2, sq_pad), float("nan"), device=DEVICE)
+        acc = torch.full((batch, heads, sq_pad, head_dim), float("nan"), device=DEVICE)
         gluon_backward._launch_stats(
-            (sq_pad // 64, heads, batch), out, dout, lse, lse if grad_lse is None else grad_lse, stats,
+            (sq_pad // 64, heads, batch), out, dout, lse, lse if grad_lse is None else grad_lse, stats, acc,
             out.stride()[:3], dout.stride()[:3], lse.stride(), lse.stride(), seqlen, heads, sq_pad, HEAD_DIM=head_dim,
             BLOCK=64, HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
         delta = (out.float() * dout.float()).sum(-1).transpose(1, 2)
@@ -629,6 +631,7 @@ def test_gluon_row_statistics_kernel():
         torch.testing.assert_close(stats[:, :, 0, :seqlen], want_lse, rtol=1e-6, atol=0)
         torch.testing.assert_close(stats[:, :, 1, :seqlen], delta, rtol=1e-5, atol=1e-5)
         assert (stats[:, :, 0, seqlen:] == float("inf")).all() and (stats[:, :, 1, seqlen:] == 0).all()
+        assert (acc == 0).all()
 
 
 @pytest.mark.gpu

@@ -333,13 +333,14 @@ def _gluon_backward_kernel(
 
 
 @triton.jit
-def _row_stats_kernel(Out, DOut, Lse, DLse, Stats, o_strides, do_strides, lse_strides, dlse_strides, seqlen_q,
+def _row_stats_kernel(Out, DOut, Lse, DLse, Stats, Acc, o_strides, do_strides, lse_strides, dlse_strides, seqlen_q,
                       num_heads, sq_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
     """``stats[b * Hq + h] = (lse * log2 e, delta)`` of rows ``[0, sq_pad)``, ``delta =
     rowsum(dO * out) - dlse``; ``lse = -inf`` (a row that sees no key) and rows past ``Sq``
-    become ``+inf`` (``P = 0`` without a mask), delta 0 past ``Sq``. Grid ``(sq_pad / BLOCK,
-    Hq, B)``; ``*_strides``: ``(batch, row, head)`` of ``out``/``dO`` (last dim contiguous),
-    ``(batch, head, row)`` of ``lse``/``dlse``."""
+    become ``+inf`` (``P = 0`` without a mask), delta 0 past ``Sq``. Also zeroes the same rows of
+    the float32 dQ accumulator ``Acc [B, Hq, sq_pad, D]`` (contiguous) that the backward kernel
+    adds into. Grid ``(sq_pad / BLOCK, Hq, B)``; ``*_strides``: ``(batch, row, head)`` of
+    ``out``/``dO`` (last dim contiguous), ``(batch, head, row)`` of ``lse``/``dlse``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     head = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -359,13 +360,15 @@ def _row_stats_kernel(Out, DOut, Lse, DLse, Stats, o_strides, do_strides, lse_st
     dst = Stats + (b * num_heads + head) * (2 * sq_pad) + rows
     tl.store(dst, lse)
     tl.store(dst + sq_pad, delta)
+    acc = Acc + ((b * num_heads + head) * sq_pad + rows[:, None]) * HEAD_DIM + cols[None, :]
+    tl.store(acc, tl.zeros([BLOCK, HEAD_DIM], tl.float32))
 
 
 @triton.jit
 def _dq_convert_kernel(Acc, DQ, stride_b, stride_s, stride_h, seqlen_q, num_heads, sq_pad, sm_scale,
                        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """``dq[b, s, h] = scale * acc[b, h, s]`` cast to dq's dtype, and ``acc`` zeroed again for
-    the next call; grid ``(sq_pad / BLOCK, Hq, B)``."""
+    """``dq[b, s, h] = scale * acc[b, h, s]`` cast to dq's dtype; grid ``(sq_pad / BLOCK, Hq,
+    B)``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     head = tl.program_id(1)
     b = tl.program_id(2)
@@ -375,10 +378,6 @@ def _dq_convert_kernel(Acc, DQ, stride_b, stride_s, stride_h, seqlen_q, num_head
     acc = tl.load(src, mask=mask, other=0.0)
     dst = DQ + b.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_s
     tl.store(dst + cols[None, :], (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask)
-    # The zeros may be stored by other threads than those that loaded each element (the two
-    # accesses get their own layouts): every load of the block happens before any zero store.
-    tl.debug_barrier()
-    tl.store(src, tl.zeros([BLOCK, HEAD_DIM], tl.float32))
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -441,12 +440,12 @@ def gluon_backward(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, softmax
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     sq_pad = cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    # Zeroed when allocated; the cast leaves it at zero, so a recorded call's replay that keeps
-    # it (``_launch.allocate``'s ``zeroed``) needs no fill of its own.
-    dq_acc = allocate((batch, num_heads, sq_pad, head_dim), torch.float32, q.device, zeroed=True)
+    # Zeroed by the row statistics' pass, which runs first (a fill at allocation and a zeroing
+    # after the cast, for replays that keep the buffer, wrote it twice per eager call).
+    dq_acc = allocate((batch, num_heads, sq_pad, head_dim), torch.float32, q.device)
     stats = allocate((batch * num_heads, 2, sq_pad), torch.float32, q.device)
     _launch_stats((sq_pad // CONVERT_ROWS, num_heads, batch), out, dout, lse, lse if dlse is None else dlse, stats,
-                  _strides3(out), _strides3(dout), lse.stride(), (0, 0, 0) if dlse is None else dlse.stride(),
+                  dq_acc, _strides3(out), _strides3(dout), lse.stride(), (0, 0, 0) if dlse is None else dlse.stride(),
                   seqlen_q, num_heads, sq_pad, HEAD_DIM=head_dim, BLOCK=CONVERT_ROWS, HAS_DLSE=dlse is not None,
                   num_warps=4, num_stages=1)
     grid, args, kwargs = launch_args(q, k, v, dout, stats, dq_acc, dk, dv, causal=causal,
