@@ -508,7 +508,8 @@ def test_gluon_backward_supported_tensors():
 @pytest.mark.parametrize("head_dim, causal, seqlen_k, programs, wanted", [
     (64, False, 1024, 132, True), (64, False, 1023, 132, False), (64, False, 1024, 131, False),
     (64, True, 1024, 200, True), (64, True, 1000, 200, False), (128, False, 1024, 200, True),
-    (128, False, 512, 200, False), (128, True, 1024, 200, True), (128, True, 16384, 100, False),
+    (128, False, 512, 200, False), (128, True, 1024, 200, True), (128, True, 1000, 200, False),
+    (128, True, 16384, 100, False),
     (256, False, 16384, 200, False), (96, True, 16384, 200, False)])
 def test_gluon_backward_rule(head_dim, causal, seqlen_k, programs, wanted):
     from flashkernel.kernels import dispatch
@@ -556,8 +557,9 @@ def test_gqa_gpu(heads, dtype, backend):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_backward_rows_past_the_tiles_gpu(head_dim, causal):
     """Several batches and heads whose rows and keys end inside a tile (Sq != Sk), so every
-    descriptor bound, masked store and +inf LSE of a row past the end is exercised; rows that
-    see no key (causal, Sq > Sk) get zero gradients."""
+    descriptor bound (loads zero-filled, dK/dV stores dropping rows past Sk), the dQ cast's mask
+    and the +inf LSE of a row past the end are exercised; rows that see no key (causal, Sq > Sk)
+    get zero gradients."""
     run_dense(3, 333, 200, (6, 3), head_dim, torch.bfloat16, causal=causal, backend="gluon")
     run_dense(2, 200, 333, (4, 4), head_dim, torch.float16, causal=causal, backend="gluon")
 
@@ -581,16 +583,21 @@ def test_gluon_backward_calls_replayed_through_autograd_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_backward_with_lse_gradient_gpu(head_dim):
-    """A gradient into the returned LSE (``dlse``) enters the Gluon kernel's row statistics: its
+@pytest.mark.parametrize("head_dim, dlse_layout", [(64, "contiguous"), (128, "contiguous"), (128, "rows outer"),
+                                                   (64, "one per head")])
+def test_gluon_backward_with_lse_gradient_gpu(head_dim, dlse_layout):
+    """A gradient into the returned LSE (``dlse``, contiguous or not: rows as the outer dim, or
+    one value per head expanded over the rows) enters the Gluon kernel's row statistics: its
     gradients of ``(out * dout + lse * dlse).sum()`` are as close to float64 autograd as the
     Triton kernels' (rows past ``Sq`` and keys past ``Sk`` inside the last tiles)."""
     q, k, v = random_qkv(2, 300, 333, 4, 2, head_dim, torch.bfloat16)
     dout = torch.randn_like(q)
     scale = head_dim ** -0.5
     out, lse = flashkernel.flash_attn_func(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
-    dlse = torch.randn_like(lse)
+    batch, heads, rows = lse.shape
+    dlse = {"contiguous": lambda: torch.randn_like(lse),
+            "rows outer": lambda: torch.randn(rows, batch, heads, device=DEVICE).permute(1, 2, 0),
+            "one per head": lambda: torch.randn(batch, heads, 1, device=DEVICE).expand(batch, heads, rows)}[dlse_layout]()
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref_out, ref_lse = reference.attention(*leaves, causal=True, softmax_scale=scale)
     want = torch.autograd.grad((ref_out * dout.double()).sum() + (ref_lse * dlse.double()).sum(), leaves)
@@ -602,6 +609,25 @@ def test_gluon_backward_with_lse_gradient_gpu(head_dim):
         errors[backend] = [((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(grads, want)]
     for name, mine, triton in zip("qkv", errors["gluon"], errors["triton"]):
         assert mine <= 2 * triton + 1e-3, f"d{name}: relative error {mine:.3e}, Triton kernels {triton:.3e}"
+
+
+@pytest.mark.gpu
+def test_gluon_backward_strided_gradients_gpu():
+    """dK/dV leave by TMA stores through descriptors of the gradients' own strides: TMA-ready
+    views of ``[B, H, S, D]`` storage as ``[B, S, H, D]`` get the dK/dV of contiguous gradients
+    bit for bit, and the same dQ within its arrival-order sums."""
+    q, k, v = random_qkv(2, 333, 333, 4, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    scale = 128 ** -0.5
+    out, lse = flashkernel.flash_attn_func(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+    plain = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    strided = [torch.full((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), float("nan"), dtype=x.dtype,
+                          device=DEVICE).transpose(1, 2) for x in (q, k, v)]
+    for grads in (plain, strided):
+        attention_backward(dout, q, k, v, out, lse, *grads, causal=True, softmax_scale=scale, backend="gluon")
+    assert torch.equal(strided[1], plain[1]) and torch.equal(strided[2], plain[2])
+    diff = ((strided[0].float() - plain[0].float()).abs().max() / plain[0].float().abs().max()).item()
+    assert diff < 1e-2, f"dq: relative difference {diff:.3e}"
 
 
 def test_gluon_row_statistics_kernel():

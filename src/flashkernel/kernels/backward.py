@@ -707,8 +707,9 @@ def attention_backward(
 
     dsinks = None
     if chosen == "gluon":  # no sinks there; it computes its own row statistics
-        dispatch.gluon_backward_module().gluon_backward(dout, q, k, v, out, lse, *targets, causal=causal,
-                                                        softmax_scale=softmax_scale, dlse=dlse)
+        dispatch.gluon_backward_module().gluon_backward(
+            dout, q, k, v, out, lse, *targets, causal=causal, softmax_scale=softmax_scale,
+            dlse=None if dlse is None else dlse.expand_as(lse))  # broadcast as the Triton path's subtraction
     else:
         delta, dsinks = _delta(out, dout, lse, sinks, layout, config)
         if dlse is not None:

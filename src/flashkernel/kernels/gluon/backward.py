@@ -387,12 +387,12 @@ def supported(q, k, v, dout, dq, dk, dv) -> bool:
     """Whether the kernel can take these tensors (the variant, device and dtype are the dispatch
     layer's checks): dense ``[B, S, H, D]`` inputs of one dtype, head dim 64/128, no empty dim,
     q/k/v/dout and dk/dv TMA-ready (dK/dV leave by TMA stores), dq with a contiguous last dim, the
-    batch and KV heads within a grid axis (65535) and the float32 dQ buffer's rows within TMA's
-    int32 coordinates."""
+    batch and the query heads within a grid axis (65535; the row passes run one program per query
+    head) and the float32 dQ buffer's rows within TMA's int32 coordinates."""
     if q.dim() != 4 or q.dtype not in TORCH_TO_GL or q.shape[-1] not in HEAD_DIMS:
         return False
     dq_rows = q.shape[0] * q.shape[2] * cdiv(q.shape[1], BLOCK_M) * BLOCK_M
-    if max(k.shape[0], k.shape[2]) > MAX_GRID_YZ or dq_rows >= 2**31:
+    if max(k.shape[0], q.shape[2]) > MAX_GRID_YZ or dq_rows >= 2**31:
         return False
     if any(x.dtype != q.dtype or x.device != q.device for x in (k, v, dout, dq, dk, dv)):
         return False
@@ -413,7 +413,7 @@ def launch_args(q, k, v, dout, stats, dq_acc, dk, dv, *, causal: bool, softmax_s
     dq_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, dq_cols], gl.float32)
     dq_desc = TensorDescriptor(dq_acc, [batch * num_heads * sq_pad, head_dim], [head_dim, 1], [BLOCK_M, dq_cols],
                                dq_layout)
-    stats_layout = gl.NVMMASharedLayout.get_default_for([1, 2, BLOCK_M], gl.float32)
+    stats_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)  # row-major
     stats_desc = TensorDescriptor(stats, [batch * num_heads, 2, sq_pad], [2 * sq_pad, sq_pad, 1], [1, 2, BLOCK_M],
                                   stats_layout)
     grid = (cdiv(seqlen_k, BLOCK_N), num_kv_heads, batch)
@@ -435,8 +435,8 @@ def gluon_backward(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, softmax
 
     ``q, dout, out, dq [B, Sq, Hq, D]`` (``out``, ``dout`` with a contiguous last dim), ``k, v,
     dk, dv [B, Sk, Hkv, D]``; ``lse`` (the forward's, natural log) and ``dlse`` (a gradient
-    flowing into it, or None) float32 ``[B, Hq, Sq]``. dK/dV of a KV head are summed over its
-    query heads.
+    flowing into it, or None) float32 ``[B, Hq, Sq]``, any strides. dK/dV of a KV head are summed
+    over its query heads.
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     sq_pad = cdiv(seqlen_q, BLOCK_M) * BLOCK_M
