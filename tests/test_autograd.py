@@ -53,6 +53,42 @@ def test_varlen_backward_matches_float64_autograd():
     _check_grads(got, want, 2e-4)
 
 
+@pytest.mark.parametrize("shapes", [((2, 8, 4, 16), (2, 0, 2, 16)), ((2, 0, 4, 16), (2, 9, 2, 16)),
+                                    ((0, 8, 4, 16), (0, 9, 2, 16))], ids=["no keys", "no queries", "no batch"])
+def test_calls_with_nothing_to_compute_are_differentiable(shapes):
+    """Shapes that launch nothing still give an output autograd recorded: zero gradients for q,
+    k and v, and the LSE's gradient for the sinks (every row's LSE is its head's sink)."""
+    q_shape, kv_shape = shapes
+    q, k, v = _leaves(q_shape, kv_shape, kv_shape)
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    out, lse = flashkernel.flash_attn_func(q, k, v, sinks=sinks, return_lse=True)
+    assert out.requires_grad and not out.isnan().any()
+    grad_lse = torch.randn_like(lse)
+    grads = torch.autograd.grad((out * torch.randn_like(out)).sum() + (lse * grad_lse).sum(), (q, k, v, sinks))
+    for name, grad, x in zip("qkv", grads, (q, k, v)):
+        assert grad.shape == x.shape and not grad.any(), f"d{name}"
+    torch.testing.assert_close(grads[3], grad_lse.sum(dim=(0, 2)))
+
+
+def test_packed_call_without_keys_is_differentiable():
+    cu_q = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    q, k, v = _leaves((7, 4, 16), (0, 2, 16), (0, 2, 16))
+    out = flashkernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 0)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(g.shape == x.shape and not g.any() for g, x in zip(grads, (q, k, v)))
+
+
+def test_second_order_gradients_raise():
+    """A gradient taken with ``create_graph=True`` cannot be differentiated again: the second
+    backward says so, naming the alternatives, instead of PyTorch's note for op authors."""
+    q, k, v = _leaves((1, 9, 2, 16), (1, 9, 2, 16), (1, 9, 2, 16))
+    out = flashkernel.flash_attn_func(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order gradients through flash_attn_func"):
+        dq.sum().backward()
+
+
 def test_gradients_only_where_asked_and_none_for_alibi():
     q, k, v = _leaves((1, 9, 2, 16), (1, 9, 2, 16), (1, 9, 2, 16))
     slopes = torch.rand(2, device=DEVICE, requires_grad=True)

@@ -114,14 +114,16 @@ def _validate_dense(q, k, v, causal, softmax_scale, return_lse) -> float:
     return _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
 
 
-def _empty_results(q: torch.Tensor, want_lse: bool, sinks: torch.Tensor | None = None):
+def _empty_results(q: torch.Tensor, want_lse: bool, sinks: torch.Tensor | None = None, kv=None):
     """Outputs for calls that need no launch: batch or seqlen_q is 0, or there are no keys.
 
     Every row sees no key: output 0 and LSE -inf, or LSE = the head's sink with ``sinks``.
     ``q`` is ``[B, Sq, Hq, D]`` (LSE ``[B, Hq, Sq]``) or packed ``[total_q, Hq, D]`` (LSE
-    ``[Hq, total_q]``).
+    ``[Hq, total_q]``). ``kv``: ``(k, v)`` of a call with a backward, whose output then carries
+    zero gradients to q, k and v (the LSE's to the sinks), as the kernels' backward would.
     """
-    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    out = (torch.zeros_like(q, memory_format=torch.contiguous_format) if kv is None
+           else ops.output_without_keys(q, *kv))
     if not want_lse:
         return out, None
     if q.dim() == 4:
@@ -220,7 +222,7 @@ def flash_attn_func(
             FlashAttention and Gemma 2); 0 (default) = off.
         alibi_slopes: float32 ``[num_heads]`` or ``[batch, num_heads]``: add
             ``-slope * |i + Sk - Sq - j|`` to the (capped) scores, with or without ``causal``.
-        sinks: ``[num_heads]`` (float32, or q's dtype: it is read as float32): a per-head logit
+        sinks: ``[num_heads]`` (float32, float16 or bfloat16, read as float32): a per-head logit
             that joins the softmax denominator with no value vector (gpt-oss): ``out = sum_j
             e^(s_j) v_j / (e^sink + sum_j e^(s_j))``. The returned LSE includes it; a row that
             sees no key returns 0 with LSE = sink. The sink is compared with the final scores as
@@ -235,6 +237,15 @@ def flash_attn_func(
     The variants combine freely with each other, ``causal`` and GQA; order of operations:
     scale, cap, ALiBi bias, masks, softmax with the sink (``reference.py`` is the spec). Each
     is compiled in only when used: a plain call runs the same code as without them.
+
+    Gradients: differentiable (``loss.backward()``, ``torch.autograd.grad``, inside
+    ``torch.compile``) for ``q``, ``k``, ``v`` and ``sinks`` (in the sinks' dtype), also through
+    the returned LSE; ``alibi_slopes`` get none. The backward recomputes the attention from the
+    saved LSE (memory O(seqlen)); there is no dropout. Under
+    ``torch.use_deterministic_algorithms(True)`` the gradients repeat bit for bit (otherwise the
+    Gluon backward adds dQ in arrival order). First order only: differentiating the gradients
+    again raises. float64 is not accepted; ``flashkernel.reference.attention`` is the float64
+    spec (and differentiable) for gradient checks.
 
     Returns:
         ``out [batch, seqlen_q, num_heads, head_dim]`` in the input dtype (contiguous), and with
@@ -257,7 +268,7 @@ def flash_attn_func(
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
     dispatch.check_backend(backend)
     if batch == 0 or seqlen_q == 0 or k.shape[1] == 0:
-        out, lse = _empty_results(q, return_lse, sinks)
+        out, lse = _empty_results(q, return_lse, sinks, kv=(k, v))
         return (out, lse) if return_lse else out
     scalars = (causal, scale, window[0], window[1], cap, return_lse, backend)
     op_scalars = _with_lse_for_backward(scalars, tensors)
@@ -316,6 +327,9 @@ def flash_attn_varlen_func(
     end to end in one grid axis and each program finds its sequence from ``cu_seqlens_q`` on
     the device. So no tile is spent on padding, and the host never reads the lengths.
 
+    Gradients: as :func:`flash_attn_func`'s (q, k, v and sinks; first order; the backward of
+    packed sequences runs on the Triton kernels).
+
     Returns:
         ``out [total_q, num_heads, head_dim]`` in q's dtype, and with ``return_lse=True`` also
         ``lse [num_heads, total_q]`` float32, natural log.
@@ -349,7 +363,7 @@ def flash_attn_varlen_func(
     if _check_values(validate, cu_seqlens_q):
         _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], max_q, max_k)
     if batch == 0 or total_q == 0 or k.shape[0] == 0 or max_q == 0:
-        out, lse = _empty_results(q, return_lse, sinks)
+        out, lse = _empty_results(q, return_lse, sinks, kv=(k, v))
         return (out, lse) if return_lse else out
     scalars = (causal, scale, window[0], window[1], cap, return_lse, backend)
 
@@ -386,10 +400,10 @@ def standard_attention(
             f"standard_attention supports batch * heads <= {MAX_NAIVE_ROWS}, got "
             f"{batch} * {num_heads} = {batch * num_heads}; use flash_attn_func"
         )
+    ops.check_no_grad("standard_attention", (("q", q), ("k", k), ("v", v)), "flashkernel.standard_attention")
     if batch == 0 or seqlen_q == 0 or k.shape[1] == 0:
         out, lse = _empty_results(q, return_lse)
     else:
-        ops.check_no_grad("standard_attention", (("q", q), ("k", k), ("v", v)), "flashkernel.standard_attention")
         out = allocate(q.shape, q.dtype, q.device)
         lse = allocate((batch, num_heads, seqlen_q), torch.float32, q.device)
         with ops.on_device(q):
@@ -581,13 +595,14 @@ def flash_attn_with_kvcache(
     batch, seqlen_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
     dispatch.check_backend(backend)
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks),
+             ("k_scale", k_scale), ("v_scale", v_scale))
     if batch == 0 or seqlen_q == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0:
+        ops.check_no_grad("kvcache_fwd", named, "flashkernel.flash_attn_with_kvcache")
         out, lse = _empty_results(q, return_lse, sinks)
         return (out, lse) if return_lse else out
     scalars = (causal, scale, window[0], window[1], cap, num_splits, return_lse, backend)
     family = None if key is None else _length_family(_family_base(key), tensors, scalars)
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks),
-             ("k_scale", k_scale), ("v_scale", v_scale))
     out, lse = _run("kvcache_fwd", "flash_attn_with_kvcache", key, tensors, named,
                     lambda: ops.kvcache_fwd_impl(*tensors, *scalars), lambda: ops.kvcache_fwd(*tensors, *scalars),
                     family and family[0], probe)

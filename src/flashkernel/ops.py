@@ -308,6 +308,43 @@ torch.library.register_autograd("flashkernel::fwd", _backward_fwd, setup_context
 torch.library.register_autograd("flashkernel::varlen_fwd", _backward_varlen_fwd, setup_context=_setup_varlen_fwd)
 
 
+def _no_second_order(ctx, *grads):
+    raise RuntimeError(
+        "flashkernel's attention backward has no backward of its own: second-order gradients through "
+        "flash_attn_func / flash_attn_varlen_func (a gradient taken with create_graph=True, then differentiated "
+        "again) are not supported; compute those terms with flashkernel.reference.attention (float64, "
+        "differentiable to any order) or PyTorch's scaled_dot_product_attention")
+
+
+# Without a formula of its own, a second backward through bwd failed with PyTorch's note for op authors.
+torch.library.register_autograd("flashkernel::bwd", _no_second_order)
+
+
+class _OutputWithoutKeys(torch.autograd.Function):
+    """The output of a differentiable call that launches nothing (no batch, no query row or no
+    key): zeros shaped like ``q`` (contiguous), whose gradients for q, k and v are zeros."""
+
+    @staticmethod
+    def forward(q, k, v):
+        return torch.zeros_like(q, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.inputs = [(x.shape, x.dtype, x.device) for x in inputs]
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
+def output_without_keys(q, k, v) -> torch.Tensor:
+    """Zeros shaped like ``q`` for a call with nothing to compute, recorded by autograd (zero
+    gradients for q, k and v) when it would record the call."""
+    if needs_grad((q, k, v)):
+        return _OutputWithoutKeys.apply(q, k, v)
+    return torch.zeros_like(q, memory_format=torch.contiguous_format)
+
+
 def check_no_grad(op: str, tensors, what: str) -> None:
     """Raise when gradients are wanted through ``op``, which has no backward: better than an
     output that silently has no ``grad_fn``."""
