@@ -1,6 +1,7 @@
 """Autograd through the public functions: ``loss.backward()`` reaches q, k, v and the sinks
 through the op layer's registered backward (``ops.py``), equal to calling the backward kernels
-directly, and ``torch.compile`` traces a training step with no graph break."""
+directly, and ``torch.compile`` traces a training step with no graph break. ``deterministic=True``
+reaches the backward's dispatch, and its gradients repeat bit for bit."""
 
 import pytest
 import torch
@@ -100,11 +101,12 @@ def test_gradients_only_where_asked_and_none_for_alibi():
         assert flashkernel.flash_attn_func(q, k, v).grad_fn is None
 
 
-def test_compiled_training_step_has_no_graph_break():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compiled_training_step_has_no_graph_break(deterministic, backward_spy):
     q, k, v = _leaves((1, 9, 2, 16), (1, 9, 2, 16), (1, 9, 2, 16))
 
     def step(q, k, v):
-        out = flashkernel.flash_attn_func(q, k, v, causal=True)
+        out = flashkernel.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
         return (out.float() ** 2).sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -112,6 +114,84 @@ def test_compiled_training_step_has_no_graph_break():
     want = torch.autograd.grad(step(q, k, v), (q, k, v))
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+    assert backward_spy == [deterministic] * 2
+
+
+# ---- deterministic=True -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def backward_spy(monkeypatch):
+    """The ``deterministic`` argument of every ``attention_backward`` call, in order."""
+    from flashkernel.kernels import backward
+
+    seen = []
+    original = backward.attention_backward
+
+    def spy(*args, deterministic=False, **kwargs):
+        seen.append(deterministic)
+        return original(*args, deterministic=deterministic, **kwargs)
+
+    monkeypatch.setattr(backward, "attention_backward", spy)
+    return seen
+
+
+_CU = (0, 4, 4, 9)
+
+
+def _dense(q, k, v, **kwargs):
+    return flashkernel.flash_attn_func(q, k, v, causal=True, **kwargs)
+
+
+def _packed(q, k, v, **kwargs):
+    cu = torch.tensor(_CU, dtype=torch.int32, device=DEVICE)
+    return flashkernel.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, causal=True, **kwargs)
+
+
+@pytest.mark.parametrize("call", [_dense, _packed], ids=["dense", "packed"])
+def test_deterministic_reaches_the_backward(call, backward_spy):
+    """The call's own flag, or PyTorch's global one, reaches the backward's dispatch (which then
+    keeps the Triton kernels); neither is on by default."""
+    q, k, v = _leaves((1, 9, 2, 16), (1, 9, 2, 16), (1, 9, 2, 16))
+    for kwargs in ({}, dict(deterministic=False), dict(deterministic=True)):
+        call(q, k, v, **kwargs).sum().backward()
+    torch.use_deterministic_algorithms(True)
+    try:
+        call(q, k, v).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert backward_spy == [False, False, True, True]
+
+
+@pytest.mark.parametrize("call", [_dense, _packed], ids=["dense", "packed"])
+def test_deterministic_gradients_repeat_bit_for_bit(call):
+    q, k, v = _leaves((1, 9, 4, 16), (1, 9, 2, 16), (1, 9, 2, 16))
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    leaves = (q, k, v, sinks)
+    grad_out = torch.randn(9, 4, 16, device=DEVICE)
+
+    def grads(**kwargs):
+        out = call(q, k, v, sinks=sinks, **kwargs)
+        return torch.autograd.grad((out * grad_out.view_as(out)).sum(), leaves)
+
+    first, again = grads(deterministic=True), grads(deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    _check_grads(first, [g.double() for g in grads()], 2e-4)
+
+
+@pytest.mark.parametrize("call", [_dense, _packed], ids=["dense", "packed"])
+def test_deterministic_must_be_a_bool(call, monkeypatch):
+    from flashkernel import interface
+
+    def fail(*args, **kwargs):
+        raise AssertionError("kernel launched despite bad input")
+
+    monkeypatch.setattr(interface.dispatch, "prefill", fail)
+    monkeypatch.setattr(interface.dispatch, "prefill_varlen", fail)
+    q, k, v = _leaves((1, 9, 2, 16), (1, 9, 2, 16), (1, 9, 2, 16))
+    for bad, shown in (("yes", "str 'yes'"), (1, "int 1"), (None, "NoneType None")):
+        with pytest.raises(TypeError, match=f"deterministic must be a bool, got {shown}"):
+            call(q, k, v, deterministic=bad)
 
 
 @pytest.mark.gpu

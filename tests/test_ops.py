@@ -34,17 +34,22 @@ def _cache_inputs(batch=2, capacity=40, kv_heads=2, heads=4, head_dim=32, dtype=
 
 
 def test_opcheck_fwd():
+    """The last case requires grad: opcheck then checks the registered backward too."""
     q, k, v = random_qkv(1, 9, 12, 4, 2, 32, torch.float16)
-    for args in [(q, k, v, None, None, True, 0.2, -1, -1, 0.0, True, "auto"),
-                 (q, k, v, None, torch.randn(4, device=DEVICE), False, 0.2, 3, 0, 5.0, False, "triton")]:
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, torch.randn(4, device=DEVICE))]
+    for args in [(q, k, v, None, None, True, 0.2, -1, -1, 0.0, True, "auto", False),
+                 (q, k, v, None, torch.randn(4, device=DEVICE), False, 0.2, 3, 0, 5.0, False, "triton", True),
+                 (*leaves[:3], None, leaves[3], True, 0.2, -1, -1, 0.0, True, "auto", True)]:
         torch.library.opcheck(torch.ops.flashkernel.fwd.default, args)
 
 
 def test_opcheck_varlen_fwd():
     q, k, v = (torch.randn(13, 4, 32, dtype=torch.float16, device=DEVICE) for _ in range(3))
     cu = torch.tensor([0, 5, 13], dtype=torch.int32, device=DEVICE)
-    args = (q, k[:, :2], v[:, :2], cu, cu, 8, 8, None, None, True, 0.2, -1, -1, 0.0, True, "auto")
-    torch.library.opcheck(torch.ops.flashkernel.varlen_fwd.default, args)
+    leaves = [x.detach().requires_grad_() for x in (q, k[:, :2], v[:, :2])]
+    for tensors, deterministic in (((q, k[:, :2], v[:, :2]), False), (leaves, True)):
+        args = (*tensors, cu, cu, 8, 8, None, None, True, 0.2, -1, -1, 0.0, True, "auto", deterministic)
+        torch.library.opcheck(torch.ops.flashkernel.varlen_fwd.default, args)
 
 
 def test_opcheck_kvcache_fwd_declares_its_mutation():
@@ -378,6 +383,8 @@ def test_bad_input_after_many_good_calls_still_fails_gpu():
         flashkernel.flash_attn_func(q, k, v, causal=True)
     with pytest.raises(TypeError, match="causal must be a bool"):
         flashkernel.flash_attn_func(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashkernel.flash_attn_func(q, k, v, causal=True, deterministic=1)
     with pytest.raises(TypeError, match="must share one dtype"):
         flashkernel.flash_attn_func(q, k.half(), v, causal=True)
     with pytest.raises(ValueError, match="softmax_scale must be finite"):

@@ -171,6 +171,7 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
     backend: str = "auto",
 ):
     """Exact attention, fused in one kernel: ``softmax(scale * q k^T [+ mask]) v``.
@@ -229,6 +230,8 @@ def flash_attn_func(
             is (not scaled or capped). Each sink is a finite logit or -inf (no sink); +inf or NaN
             sinks are not checked (that would read the tensor) and give NaN.
         return_lse: also return the log-sum-exp of each row.
+        deterministic: make the backward's gradients repeat bit for bit (see "Gradients" below);
+            the forward is unaffected.
         backend: ``"auto"`` (default), ``"triton"`` or ``"gluon"``: which kernel runs the call
             (``kernels/dispatch.py``). ``"auto"`` takes the Gluon kernel on Hopper for plain
             attention at head dim 64/128/256 in bf16/fp16, else the Triton kernel; naming a
@@ -241,11 +244,12 @@ def flash_attn_func(
     Gradients: differentiable (``loss.backward()``, ``torch.autograd.grad``, inside
     ``torch.compile``) for ``q``, ``k``, ``v`` and ``sinks`` (in the sinks' dtype), also through
     the returned LSE; ``alibi_slopes`` get none. The backward recomputes the attention from the
-    saved LSE (memory O(seqlen)); there is no dropout. Under
-    ``torch.use_deterministic_algorithms(True)`` the gradients repeat bit for bit (otherwise the
-    Gluon backward adds dQ in arrival order). First order only: differentiating the gradients
-    again raises. float64 is not accepted; ``flashkernel.reference.attention`` is the float64
-    spec (and differentiable) for gradient checks.
+    saved LSE (memory O(seqlen)); there is no dropout. With ``deterministic=True`` (this call)
+    or under ``torch.use_deterministic_algorithms(True)`` (every call) the gradients repeat bit
+    for bit: the backward keeps the Triton kernels (otherwise the Gluon backward adds dQ in
+    arrival order). First order only: differentiating the gradients again raises. float64 is
+    not accepted; ``flashkernel.reference.attention`` is the float64 spec (and differentiable)
+    for gradient checks.
 
     Returns:
         ``out [batch, seqlen_q, num_heads, head_dim]`` in the input dtype (contiguous), and with
@@ -260,10 +264,12 @@ def flash_attn_func(
         >>> out = flash_attn_func(q, k, v, causal=True)        # [2, 1024, 32, 128]
     """
     tensors = (q, k, v, alibi_slopes, sinks)
-    results, probe, key = _lookup("fwd", (causal, softmax_scale, softcap, return_lse, backend), window_size, tensors)
+    results, probe, key = _lookup("fwd", (causal, softmax_scale, softcap, return_lse, deterministic, backend),
+                                  window_size, tensors)
     if results is not None:
         return results if return_lse else results[0]
     scale = _validate_dense(q, k, v, causal, softmax_scale, return_lse)
+    _checks.check_flag("deterministic", deterministic)
     batch, seqlen_q, num_heads, head_dim = q.shape
     window, cap = _checks.check_variant(q, batch, num_heads, window_size, softcap, alibi_slopes, sinks)
     dispatch.check_backend(backend)
@@ -273,7 +279,8 @@ def flash_attn_func(
     scalars = (causal, scale, window[0], window[1], cap, return_lse, backend)
     op_scalars = _with_lse_for_backward(scalars, tensors)
     out, lse = _run("fwd", "flash_attn_func", key, tensors, (("q", q), ("k", k), ("v", v), ("sinks", sinks)),
-                    lambda: ops.fwd_impl(*tensors, *scalars), lambda: ops.fwd(*tensors, *op_scalars), probe=probe)
+                    lambda: ops.fwd_impl(*tensors, *scalars), lambda: ops.fwd(*tensors, *op_scalars, deterministic),
+                    probe=probe)
     return (out, lse) if return_lse else out
 
 
@@ -293,6 +300,7 @@ def flash_attn_varlen_func(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
     validate: bool | None = None,
     backend: str = "auto",
 ):
@@ -311,7 +319,7 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: ints, at least the longest query / key sequence. They pick
             tile configurations and bound the launch grid (no device-to-host copy of the
             lengths is made); a value below the true maximum can leave rows unwritten.
-        causal, softmax_scale, window_size, softcap, sinks, return_lse: as in
+        causal, softmax_scale, window_size, softcap, sinks, return_lse, deterministic: as in
             :func:`flash_attn_func`, per sequence.
         alibi_slopes: float32 ``[num_heads]`` or ``[batch, num_heads]`` (row ``b`` for
             sequence ``b``).
@@ -328,7 +336,8 @@ def flash_attn_varlen_func(
     the device. So no tile is spent on padding, and the host never reads the lengths.
 
     Gradients: as :func:`flash_attn_func`'s (q, k, v and sinks; first order; the backward of
-    packed sequences runs on the Triton kernels).
+    packed sequences runs on the Triton kernels, so its gradients repeat bit for bit with or
+    without ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)``).
 
     Returns:
         ``out [total_q, num_heads, head_dim]`` in q's dtype, and with ``return_lse=True`` also
@@ -346,13 +355,13 @@ def flash_attn_varlen_func(
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call
         results, probe, key = _lookup("varlen", (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap,
-                                                 return_lse, validate, backend), window_size, tensors)
+                                                 return_lse, deterministic, validate, backend), window_size, tensors)
         if results is not None:
             return results if return_lse else results[0]
     interpreted = kernels_interpreted()
     max_q, max_k = _checks.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, interpreted)
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
         _checks.check_flag(name, flag)
     _checks.check_optional_flag("validate", validate)
     scale = _checks.resolve_softmax_scale(softmax_scale, q.shape[-1])
@@ -374,7 +383,7 @@ def flash_attn_varlen_func(
     out, lse = _run("varlen_fwd", "flash_attn_varlen_func", key, tensors,
                     (("q", q), ("k", k), ("v", v), ("sinks", sinks)), run_eager,
                     lambda: ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks,
-                                           *op_scalars), probe=probe)
+                                           *op_scalars, deterministic), probe=probe)
     return (out, lse) if return_lse else out
 
 

@@ -17,6 +17,8 @@ The autograd boundary is here too: ``fwd`` and ``varlen_fwd`` have a backward
 (``flashkernel::bwd``, the kernels of ``kernels/backward.py``: gradients for q, k, v, the sinks
 and the returned LSE, recomputing the attention matrix from the saved LSE), registered with
 ``torch.library.register_autograd``, so ``torch.compile`` traces training steps through it too.
+Their last argument is the public functions' ``deterministic``: the forward ignores it, the
+backward passes it on (``bwd`` adds PyTorch's global flag to it).
 The cache op and ``standard_attention`` have none (decode is inference only): a call whose
 inputs require grad raises a clear error rather than returning an output with no gradient
 (:func:`check_no_grad`).
@@ -126,7 +128,8 @@ def _cached(name: str, tensors: tuple, scalars: tuple, run):
 @torch.library.custom_op("flashkernel::fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.Tensor | None,
             sinks: torch.Tensor | None, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-            softcap: float, return_lse: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+            softcap: float, return_lse: bool, backend: str,
+            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     scalars = (causal, softmax_scale, window_left, window_right, softcap, return_lse, backend)
     return _with_empty_lse(_cached("fwd", (q, k, v, alibi_slopes, sinks), scalars,
                                    lambda: fwd_impl(q, k, v, alibi_slopes, sinks, *scalars)))
@@ -134,7 +137,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: tor
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, alibi_slopes, sinks, causal, softmax_scale, window_left, window_right, softcap,
-              return_lse, backend):
+              return_lse, backend, deterministic):
     batch, seqlen_q, num_heads, _ = q.shape
     lse_shape = (batch, num_heads, seqlen_q) if return_lse else _EMPTY_LSE_SHAPE
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
@@ -145,7 +148,7 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                    alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None, causal: bool, softmax_scale: float,
                    window_left: int, window_right: int, softcap: float, return_lse: bool,
-                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   backend: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     scalars = (causal, softmax_scale, window_left, window_right, softcap, return_lse, backend)
     return _with_empty_lse(_cached("varlen_fwd", (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks),
                                    (max_seqlen_q, max_seqlen_k) + scalars,
@@ -155,7 +158,8 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 @_varlen_fwd_op.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
-                     causal, softmax_scale, window_left, window_right, softcap, return_lse, backend):
+                     causal, softmax_scale, window_left, window_right, softcap, return_lse, backend,
+                     deterministic):
     total_q, num_heads, _ = q.shape
     lse_shape = (num_heads, total_q) if return_lse else _EMPTY_LSE_SHAPE
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
@@ -214,11 +218,11 @@ _BACKWARD_OPS = {"fwd", "varlen_fwd"}
 
 def bwd_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
              max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-             softcap: float, dlse):
+             softcap: float, dlse, deterministic: bool = False):
     """Gradients ``(dq, dk, dv, dsinks)`` of a forward (dense, or packed with ``cu_seqlens_*``);
     ``dsinks`` is float32 ``[Hq]``, empty without sinks; ``dlse`` the gradient of the returned
-    LSE or None. Under ``torch.use_deterministic_algorithms(True)`` the gradients are bitwise
-    reproducible (the Triton kernels, no float atomics)."""
+    LSE or None. With ``deterministic=True`` or under ``torch.use_deterministic_algorithms(True)``
+    the gradients are bitwise reproducible (the Triton kernels, no float atomics)."""
     from .kernels.backward import attention_backward
 
     dq, dk, dv = (allocate(x.shape, x.dtype, x.device) for x in (q, k, v))
@@ -229,7 +233,7 @@ def bwd_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seql
             window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
             max_seqlen_k=max_seqlen_k if varlen else None, dlse=dlse,
-            deterministic=torch.are_deterministic_algorithms_enabled())
+            deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
     if dsinks is None:
         dsinks = allocate(_EMPTY_LSE_SHAPE, torch.float32, q.device)
     return dq, dk, dv, dsinks
@@ -240,16 +244,19 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             lse: torch.Tensor, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
             cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
             causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-            dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            dlse: torch.Tensor | None,
+            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tensors = (dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, dlse)
     scalars = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap)
-    return _cached("bwd", tensors, scalars, lambda: bwd_impl(
-        dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *scalars, dlse))
+    # Resolved before the replay key: the global flag picks the kernels as the argument does.
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    return _cached("bwd", tensors, (*scalars, deterministic), lambda: bwd_impl(
+        dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *scalars, dlse, deterministic))
 
 
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              causal, softmax_scale, window_left, window_right, softcap, dlse):
+              causal, softmax_scale, window_left, window_right, softcap, dlse, deterministic):
     dsinks_shape = (q.shape[-2],) if sinks is not None else _EMPTY_LSE_SHAPE
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(dsinks_shape,
                                                                                        dtype=torch.float32)
@@ -260,21 +267,23 @@ def _contiguous_last(x):
 
 
 def _setup_fwd(ctx, inputs, output):
-    q, k, v, alibi_slopes, sinks, causal, scale, window_left, window_right, softcap, return_lse, _ = inputs
+    q, k, v, alibi_slopes, sinks, causal, scale, window_left, window_right, softcap, _, _, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
     ctx.packed = None
     ctx.scalars = (causal, scale, window_left, window_right, softcap)
+    ctx.deterministic = deterministic
     ctx.set_materialize_grads(False)
 
 
 def _setup_varlen_fwd(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, causal, scale,
-     window_left, window_right, softcap, return_lse, _) = inputs
+     window_left, window_right, softcap, _, _, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
     ctx.packed = (max_seqlen_q, max_seqlen_k)
     ctx.scalars = (causal, scale, window_left, window_right, softcap)
+    ctx.deterministic = deterministic
     ctx.set_materialize_grads(False)
 
 
@@ -290,18 +299,23 @@ def _backward(ctx, dout, dlse):
         dlse = None  # the LSE was not returned: nothing flows into it
     dq, dk, dv, dsinks = torch.ops.flashkernel.bwd(
         _contiguous_last(dout), q, k, v, out, lse, alibi_slopes, sinks, cu_q, cu_k, max_q, max_k, *ctx.scalars,
-        _contiguous_last(dlse))
+        _contiguous_last(dlse), ctx.deterministic)
     dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
     grads = (dq, dk, dv)
     return (*grads, None, None, None, None, None, dsinks) if ctx.packed else (*grads, None, dsinks)
 
 
+# The ops' arguments after the sinks: causal, softmax_scale, window_left, window_right, softcap,
+# return_lse, backend, deterministic; none gets a gradient.
+_TRAILING_SCALARS = 8
+
+
 def _backward_fwd(ctx, dout, dlse):
-    return _backward(ctx, dout, dlse) + (None,) * 7
+    return _backward(ctx, dout, dlse) + (None,) * _TRAILING_SCALARS
 
 
 def _backward_varlen_fwd(ctx, dout, dlse):
-    return _backward(ctx, dout, dlse) + (None,) * 7
+    return _backward(ctx, dout, dlse) + (None,) * _TRAILING_SCALARS
 
 
 torch.library.register_autograd("flashkernel::fwd", _backward_fwd, setup_context=_setup_fwd)
