@@ -17,11 +17,13 @@ if not ON_GPU:
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Every output the public API allocates starts as NaN, so an unwritten element fails."""
+    """Every output the public API allocates starts as NaN (an integer buffer as its dtype's
+    largest value), so an unwritten element fails."""
     from flashkernel.kernels import _launch
 
     def nan_empty(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+        return torch.full(shape, poison, dtype=dtype, device=device)
 
     monkeypatch.setattr(_launch, "empty", nan_empty)
 

@@ -565,6 +565,21 @@ def test_gluon_backward_rows_past_the_tiles_gpu(head_dim, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_backward_many_tiles_per_program_gpu(programs, causal, monkeypatch):
+    """Head dim 64 runs persistent programs that take tiles from a counter: with the grid cut to a
+    few programs, each takes many tiles of several heads and batches (the K/V reload after the
+    previous tile's products, the dK/dV stores staged under the next tile's loads, the ring and
+    barrier phases carried across tiles), including GQA groups and tiles that end past Sk."""
+    from flashkernel.kernels.gluon import backward as gluon_backward
+
+    monkeypatch.setattr(gluon_backward, "num_sms", lambda device: programs)
+    run_dense(3, 333, 200, (6, 3), 64, torch.bfloat16, causal=causal, backend="gluon")
+    run_dense(2, 200, 461, (8, 2), 64, torch.float16, causal=causal, backend="gluon")
+
+
+@pytest.mark.gpu
 def test_gluon_backward_calls_replayed_through_autograd_gpu():
     """``loss.backward()`` of ``flash_attn_func`` at a shape "auto" runs on the Gluon kernel,
     three times: the calls after the first replay the recorded launches, whose float32 dQ buffer
@@ -633,7 +648,7 @@ def test_gluon_backward_strided_gradients_gpu():
 def test_gluon_row_statistics_kernel():
     """The Gluon backward's row statistics (run by the interpreter here): ``lse * log2 e`` with
     ``-inf`` read as ``+inf``, ``rowsum(dO * out) - dlse``, and ``+inf`` / 0 in the padded rows;
-    the float32 dQ accumulator zeroed, padded rows included."""
+    the float32 dQ accumulator zeroed, padded rows included, and the tile counter zeroed."""
     from flashkernel.kernels.gluon import backward as gluon_backward
 
     batch, seqlen, heads, head_dim, sq_pad = 2, 70, 3, 64, 128
@@ -645,8 +660,9 @@ def test_gluon_row_statistics_kernel():
     for grad_lse in (None, dlse):
         stats = torch.full((batch * heads, 2, sq_pad), float("nan"), device=DEVICE)
         acc = torch.full((batch, heads, sq_pad, head_dim), float("nan"), device=DEVICE)
+        counter = torch.full((1,), 12345, dtype=torch.int32, device=DEVICE)
         gluon_backward._launch_stats(
-            (sq_pad // 64, heads, batch), out, dout, lse, lse if grad_lse is None else grad_lse, stats, acc,
+            (sq_pad // 64, heads, batch), out, dout, lse, lse if grad_lse is None else grad_lse, stats, acc, counter,
             out.stride()[:3], dout.stride()[:3], lse.stride(), lse.stride(), seqlen, heads, sq_pad, HEAD_DIM=head_dim,
             BLOCK=64, HAS_DLSE=grad_lse is not None, num_warps=4, num_stages=1)
         delta = (out.float() * dout.float()).sum(-1).transpose(1, 2)
@@ -658,6 +674,7 @@ def test_gluon_row_statistics_kernel():
         torch.testing.assert_close(stats[:, :, 1, :seqlen], delta, rtol=1e-5, atol=1e-5)
         assert (stats[:, :, 0, seqlen:] == float("inf")).all() and (stats[:, :, 1, seqlen:] == 0).all()
         assert (acc == 0).all()
+        assert counter.item() == 0
 
 
 @pytest.mark.gpu

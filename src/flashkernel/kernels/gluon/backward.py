@@ -8,10 +8,17 @@ slower, because the fifth product and its reduction ran in series with the other
 same warps. Here a producer warp streams the query-side tiles and two consumer warpgroups issue
 the products asynchronously (FlashAttention 3's structure).
 
-Design (one CTA = one tile of ``2 x 64`` keys of one (KV head, batch); 2 consumer warpgroups and
-a producer warp):
+Design (a tile = ``2 x 64`` keys of one (KV head, batch); 2 consumer warpgroups and a producer
+warp per CTA):
 
-* **Producer** (1 warp): loads the CTA's K and V tiles once, then for every query head of the
+* **Tiles**: at head dim 64 the CTAs are persistent, one per SM: each takes tiles from a counter
+  in the order a grid of one CTA per tile would run them (key tiles fastest, so the CTAs running
+  at once share their query heads' Q/dO in L2), and the next tile's K/V, Q and dO load while the
+  consumers store the previous tile's dK/dV. At 1k keys this took 4-5% off the backward (the
+  fixed cost of a CTA, ~3.7 us, is a fifth of its time there). At head dim 128 one CTA runs
+  one tile: the tile loop cost the step loops registers (ptxas reloaded wgmma descriptors from
+  local memory in every step) and made the kernel 4-13% slower.
+* **Producer** (1 warp): loads the tile's K and V once, then for every query head of the
   GQA group and every query tile of 64 rows that sees the keys, Q, dO and the rows' statistics
   (``lse * log2 e`` and ``delta``, written beforehand by :func:`_row_stats_kernel`) into a
   ``STAGES``-deep ring (``ready``/``empty`` mbarrier pairs; each ``empty`` expects both
@@ -40,9 +47,11 @@ a producer warp):
   entirely above the diagonal are not visited.
 * **Bounds**: Q, dO, K and V are read through rank-4 descriptors over ``[B, S, H, D]`` (box
   ``[1, rows, 1, D]``): rows past ``S`` are zero-filled per (batch, head). dK and dV leave the
-  same way: after the last step (both consumers meet at ``done``) each consumer stages its tiles
-  in its stage of the Q/dO ring and TMA stores them, dropping rows past ``Sk`` (masked register
-  stores of 2 bytes each were a quarter of the consumers' time at 1k keys in a profile).
+  same way: after the last step (both consumers meet at ``done``, which also frees K/V for the
+  producer) each consumer stages dK in its dQ tile and dV in the dS buffer of its own parity,
+  and TMA stores them, dropping rows past ``Sk`` (masked register stores of 2 bytes each were a
+  quarter of the consumers' time at 1k keys in a profile); they meet again at ``stored`` before
+  the next tile writes dS rows.
 
 Head dims 64 and 128, bf16/fp16, dense (not packed) inputs, no window, softcap, ALiBi or sinks;
 everything else takes the Triton kernels (:func:`supported`).
@@ -71,7 +80,7 @@ from triton.language.core import builtin
 from .._common import cdiv, tma_aligned
 from .._launch import Launcher, allocate
 from ..prefill import MAX_GRID_YZ, _strides3
-from .common import TORCH_TO_GL, _alloc_barriers, _as_matrix, _ring_slot, make_descriptor
+from .common import TORCH_TO_GL, _alloc_barriers, _as_matrix, _ring_slot, make_descriptor, num_sms
 
 LOG2E = math.log2(math.e)
 WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of the transposed tiles)
@@ -80,6 +89,10 @@ BLOCK_N = WG_KEYS * NUM_CONSUMERS  # keys per program
 BLOCK_M = 64  # query rows per step
 HEAD_DIMS = (64, 128)
 STAGES = 2
+# Head dims whose programs take tiles until none is left (one program per SM). At head dim 128
+# the tile loop costs the step loops registers: ptxas reloads wgmma descriptors from local
+# memory every step, and the kernel ran 4-13% slower than one program per tile.
+PERSISTENT_HEAD_DIMS = (64,)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 _WG = gl.constexpr(WG_KEYS)
@@ -109,24 +122,34 @@ def _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready,
-              empty, seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    n_block = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    b = gl.program_id(2)
-    key0 = n_block * (2 * _WG)
+def _tile_coords(tile, n_blocks, num_kv_heads):
+    """``(first key, KV head, batch)`` of tile ``tile`` (key tiles fastest: the programs running
+    at once share their query heads' Q/dO in L2, as a grid of one program per tile did)."""
+    rest = tile // n_blocks
+    return (tile % n_blocks) * (2 * _WG), rest % num_kv_heads, rest // num_kv_heads
+
+
+@gluon.jit
+def _produce_tile(tile, r, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """The loads of the ``r``-th tile of this program, ``tile``, whose first step is the ring's
+    ``t``-th; returns the ring position after it. K/V are loaded once the consumers are done with
+    the previous tile's (``done``)."""
+    q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready, empty, \
+        done = loads
+    key0, kv_head, b = _tile_coords(tile, n_blocks, num_kv_heads)
+    m_tiles = gl.cdiv(seqlen_q, _BM)
+    num_q_heads = num_kv_heads * group_size
+    mbarrier.wait(done, (r & 1) ^ 1)  # a fresh barrier passes parity 1
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, key0, kv_head, 0], kv_ready, k_buf)
     tma.async_copy_global_to_shared(v_desc, [b, key0, kv_head, 0], kv_ready, v_buf)
     m_first = _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL)
-    m_tiles = gl.cdiv(seqlen_q, _BM)
-    num_q_heads = gl.num_programs(1) * group_size
-    t = 0
     for i in range(group_size):
         head = kv_head * group_size + i
         for m in range(m_first, m_tiles):
             slot, phase = _ring_slot(t, STAGES)
-            mbarrier.wait(empty.index(slot), phase ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.wait(empty.index(slot), phase ^ 1)
             mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                             + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, m * _BM, head, 0], ready.index(slot), q_bufs.index(slot))
@@ -134,6 +157,39 @@ def _producer(q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs,
             tma.async_copy_global_to_shared(stats_desc, [b * num_q_heads + head, 0, m * _BM], ready.index(slot),
                                             stats_bufs.index(slot))
             t += 1
+    return t
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, tile_slot,
+              kv_ready, ready, empty, done, tile_counter, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads,
+              num_tiles, CAUSAL: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """``PERSISTENT``: takes tiles until none is left. Its first is its program id, the next ones
+    come from ``tile_counter`` (fetched while the consumers finish a tile's last steps); each is
+    handed to the consumers in ``tile_slot``, which they read after ``kv_ready``. Past the last
+    tile it hands them ``num_tiles`` and completes ``kv_ready`` with no load. Otherwise: the
+    tile of its program id."""
+    loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready,
+             empty, done)
+    if PERSISTENT:
+        slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile = gl.program_id(0)
+        r = 0
+        t = 0
+        while tile < num_tiles:
+            mbarrier.wait(done, (r & 1) ^ 1)  # the consumers have read the slot
+            tile_slot.store(gl.full([1], tile, gl.int32, slot_layout))
+            t = _produce_tile(tile, r, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL,
+                              STAGES)
+            tile = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
+            r += 1
+        mbarrier.wait(done, (r & 1) ^ 1)
+        tile_slot.store(gl.full([1], num_tiles, gl.int32, slot_layout))
+        mbarrier.arrive(kv_ready)
+    else:
+        start = gl.program_id(0) * 0  # a tensor, as the ring position is loop-carried
+        _produce_tile(gl.program_id(0), start, start, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads,
+                      CAUSAL, STAGES)
 
 
 # ---- consumers ---------------------------------------------------------------------------------
@@ -227,34 +283,35 @@ def _step(t, m, dk, dv, kv, bufs, bars, dq_desc, dq_row0, keys, key_limit, shift
 
 
 @gluon.jit
-def _consumer(k_buf, v_buf, bufs, kv_ready, bars, done, dq_desc, dk_desc, dv_desc, seqlen_q, seqlen_k,
-              group_size, sq_pad, qk_scale, sm_scale,
-              ME: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT_COLS: gl.constexpr):
-    n_block = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    b = gl.program_id(2)
-    num_q_heads = gl.num_programs(1) * group_size
-    key0 = n_block * (2 * _WG)
-    my_key0 = key0 + ME * _WG
+def _stage(bufs, desc, ME: gl.constexpr):
+    """Consumer ``ME``'s half of the shared buffers ``bufs`` (one half per consumer) as a tile of
+    ``desc``'s box, for a TMA store."""
+    box_bytes: gl.constexpr = desc.block_type.nbytes
+    total: gl.constexpr = bufs.shape[0] * bufs.shape[1] * bufs.shape[2] * bufs.dtype.primitive_bitwidth // 8
+    boxes: gl.constexpr = total // box_bytes
+    gl.static_assert(boxes >= 2, "each consumer's half holds a box")
+    return bufs._reinterpret(desc.dtype, [boxes] + desc.block_type.shape, desc.layout).index(ME * (boxes // 2))
+
+
+@gluon.jit
+def _consume_tile(tile, r, t, kv, bufs, stages, bars, done, stored, descs, seqlen_q, seqlen_k, group_size, sq_pad,
+                  n_blocks, num_kv_heads, qk_scale, sm_scale, ME: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, SPLIT_COLS: gl.constexpr):
+    """This consumer's share of the ``r``-th tile of this program, ``tile`` (K/V loaded), whose
+    first step is the ring's ``t``-th: the steps, then dK/dV out by TMA stores; returns the ring
+    position after it."""
+    dq_desc, dk_desc, dv_desc = descs
+    dk_stage, dv_stage = stages
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs = bufs
-    my_bufs = (q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs.index(ME))
-
-    mbarrier.wait(kv_ready, 0)
-    k_all = _as_matrix(k_buf)  # [128, D]
-    if SPLIT_COLS:
-        k_cols = k_all.slice(ME * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # [128, D/2]
-    else:
-        k_cols = k_all
-    kv = (k_all.slice(ME * _WG, _WG, dim=0), _as_matrix(v_buf).slice(ME * _WG, _WG, dim=0), k_cols)
-
+    key0, kv_head, b = _tile_coords(tile, n_blocks, num_kv_heads)
+    my_key0 = key0 + ME * _WG
+    num_q_heads = num_kv_heads * group_size
+    shift = seqlen_k - seqlen_q
+    m_tiles = gl.cdiv(seqlen_q, _BM)
     dk = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
     dv = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
     keys = my_key0 + gl.arange(0, _WG, layout=gl.SliceLayout(1, _mma_layout(_BM)))
-    shift = seqlen_k - seqlen_q
     m_first = _first_query_tile(key0, seqlen_q, seqlen_k, CAUSAL)
-    m_tiles = gl.cdiv(seqlen_q, _BM)
     # Steps before m_plain have an invisible pair somewhere in the CTA's keys: the causal diagonal
     # crosses them (row 64 m < last key - shift), or the keys run past Sk (every step then).
     if key0 + 2 * _WG > seqlen_k:
@@ -263,46 +320,96 @@ def _consumer(k_buf, v_buf, bufs, kv_ready, bars, done, dq_desc, dk_desc, dv_des
         m_plain = gl.minimum(gl.maximum(gl.cdiv(key0 + 2 * _WG - 1 - shift, _BM), m_first), m_tiles)
     else:
         m_plain = m_first
-    t = 0
     for i in range(group_size):
         head = kv_head * group_size + i
         dq_row0 = (b * num_q_heads + head) * sq_pad
         for m in range(m_first, m_plain):
-            dk, dv = _step(t, m, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, keys, seqlen_k, shift, qk_scale,
+            dk, dv = _step(t, m, dk, dv, kv, bufs, bars, dq_desc, dq_row0, keys, seqlen_k, shift, qk_scale,
                            ME, True, CAUSAL, STAGES, SPLIT_COLS)
             t += 1
         for m in range(m_plain, m_tiles):
-            dk, dv = _step(t, m, dk, dv, kv, my_bufs, bars, dq_desc, dq_row0, keys, seqlen_k, shift, qk_scale,
+            dk, dv = _step(t, m, dk, dv, kv, bufs, bars, dq_desc, dq_row0, keys, seqlen_k, shift, qk_scale,
                            ME, False, CAUSAL, STAGES, SPLIT_COLS)
             t += 1
-    # dK and dV leave through the Q/dO ring (stage ME: one tile each), by TMA stores that drop the
-    # rows past Sk; the ring is free once both consumers' last products have read it.
+    # Both consumers' products are over: the other's last dQ product has read the dS buffer
+    # staged below, and K/V are free for the producer.
     mbarrier.arrive(done)
-    mbarrier.wait(done, 0)
+    mbarrier.wait(done, r & 1)
     dtype: gl.constexpr = dk_desc.dtype
-    _as_matrix(q_bufs.index(ME)).store((dk * sm_scale).to(dtype))
-    _as_matrix(do_bufs.index(ME)).store(dv.to(dtype))
+    tma.store_wait(0)  # this consumer's last dQ reduction has read its dQ tile
+    _as_matrix(dk_stage).store((dk * sm_scale).to(dtype))
+    _as_matrix(dv_stage).store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, my_key0, kv_head, 0], q_bufs.index(ME))
-    tma.async_copy_shared_to_global(dv_desc, [b, my_key0, kv_head, 0], do_bufs.index(ME))
-    tma.store_wait(0)  # the stores and the last reduction have read shared memory before the CTA ends
+    tma.async_copy_shared_to_global(dk_desc, [b, my_key0, kv_head, 0], dk_stage)
+    tma.async_copy_shared_to_global(dv_desc, [b, my_key0, kv_head, 0], dv_stage)
+    tma.store_wait(0)
+    # The other consumer's next steps write their dS rows into the buffer staged here.
+    mbarrier.arrive(stored)
+    mbarrier.wait(stored, r & 1)
+    return t
+
+
+@gluon.jit
+def _consumer(k_buf, v_buf, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc, dv_desc, seqlen_q,
+              seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale,
+              ME: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT_COLS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer ``ME`` (keys ``[64 ME, 64 ME + 64)`` of each tile). ``PERSISTENT``: the tiles the
+    producer hands over in ``tile_slot``, until it hands ``num_tiles``; otherwise the tile of
+    its program id."""
+    q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs = bufs
+    my_bufs = (q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs.index(ME))
+    k_all = _as_matrix(k_buf)  # [128, D]
+    if SPLIT_COLS:
+        k_cols = k_all.slice(ME * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # [128, D/2]
+    else:
+        k_cols = k_all
+    kv = (k_all.slice(ME * _WG, _WG, dim=0), _as_matrix(v_buf).slice(ME * _WG, _WG, dim=0), k_cols)
+    # dK and dV leave by TMA stores staged in this consumer's dQ tile and in the dS buffer of
+    # parity ME, so that the producer can fill the Q/dO ring with the next tile meanwhile.
+    stages = (_stage(dq_bufs, dk_desc, ME), _stage(ds_bufs, dv_desc, ME))
+    descs = (dq_desc, dk_desc, dv_desc)
+    if PERSISTENT:
+        slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        r = 0
+        t = 0
+        mbarrier.wait(kv_ready, 0)
+        tile = gl.max(tile_slot.load(slot_layout), axis=0)
+        while tile < num_tiles:
+            t = _consume_tile(tile, r, t, kv, my_bufs, stages, bars, done, stored, descs, seqlen_q, seqlen_k,
+                              group_size, sq_pad, n_blocks, num_kv_heads, qk_scale, sm_scale, ME, HEAD_DIM, CAUSAL,
+                              STAGES, SPLIT_COLS)
+            r += 1
+            mbarrier.wait(kv_ready, r & 1)
+            tile = gl.max(tile_slot.load(slot_layout), axis=0)
+    else:
+        mbarrier.wait(kv_ready, 0)
+        start = gl.program_id(0) * 0  # a tensor, as the ring position is loop-carried
+        _consume_tile(gl.program_id(0), start, start, kv, my_bufs, stages, bars, done, stored, descs, seqlen_q,
+                      seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, qk_scale, sm_scale, ME, HEAD_DIM, CAUSAL,
+                      STAGES, SPLIT_COLS)
 
 
 # Lengths and head counts change between calls; they only feed scalar index math.
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size", "sq_pad"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size", "sq_pad", "n_blocks", "num_kv_heads",
+                              "num_tiles"])
 def _gluon_backward_kernel(
-    q_desc, k_desc, v_desc, do_desc, stats_desc, dq_desc, dk_desc, dv_desc,
-    seqlen_q, seqlen_k, group_size, sq_pad, qk_scale, sm_scale,
+    q_desc, k_desc, v_desc, do_desc, stats_desc, dq_desc, dk_desc, dv_desc, tile_counter,
+    seqlen_q, seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, SPLIT_COLS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
-    """Grid ``(cdiv(Sk, 128), Hkv, B)``; 4 warps (+ 4 for the second consumer, 1 producer warp).
+    """Tiles ``(key tile, KV head, batch)`` of 128 keys (``num_tiles = n_blocks * num_kv_heads *
+    B``, key tiles fastest). ``PERSISTENT``: grid ``(min(num_tiles, SMs),)``, program ``p``
+    takes tile ``p``, then the next ones in order from ``tile_counter`` (an int32 zeroed
+    beforehand, counting from ``num_programs``); otherwise grid ``(num_tiles,)``, one tile per
+    program. 4 warps (+ 4 for the second consumer, 1 producer warp).
 
     Descriptors: q/dO ``[B, Sq, Hq, D]`` box ``[1, 64, 1, D]``; k/v ``[B, Sk, Hkv, D]`` box ``[1,
     128, 1, D]``; stats_desc float32 ``[B * Hq, 2, sq_pad]`` (``lse * log2 e`` and ``delta``
     of each row, :func:`_row_stats_kernel`) box ``[1, 2, 64]``; dq_desc float32 ``[B * Hq * sq_pad,
     D]`` box ``[64, D/2]`` (``SPLIT_COLS``) or ``[64, D]``; dk/dv ``[B, Sk, Hkv, D]`` box ``[1,
-    64, 1, D]`` (the Q box's shape and layout: they are staged in its ring).
+    64, 1, D]``.
     """
     dtype: gl.constexpr = q_desc.dtype
     k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
@@ -313,34 +420,39 @@ def _gluon_backward_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _WG, _BM], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, 2 * _WG, _BM], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    tile_slot = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     kv_ready = _alloc_barriers(1, 1).index(0)
     ready = _alloc_barriers(STAGES, 1)
     empty = _alloc_barriers(STAGES, 2)  # both consumers release each stage
     ds_ready = _alloc_barriers(2, 2)  # both consumers wrote their dS rows
-    done = _alloc_barriers(1, 2).index(0)  # both consumers are past their last step
+    done = _alloc_barriers(1, 2).index(0)  # both consumers are past a tile's last products
+    stored = _alloc_barriers(1, 2).index(0)  # both consumers' dK/dV stores have read shared memory
     fence_async_shared()  # barrier inits visible to the async proxy (TMA) before first use
     bufs = (q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs)
     bars = (ready, empty, ds_ready)
-    gl.static_assert(STAGES >= 2, "dK/dV are staged in one ring stage per consumer")
     gl.warp_specialize([
-        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, done, dq_desc, dk_desc, dv_desc, seqlen_q, seqlen_k,
-                     group_size, sq_pad, qk_scale, sm_scale, 0, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
-        (_consumer, (k_buf, v_buf, bufs, kv_ready, bars, done, dq_desc, dk_desc, dv_desc, seqlen_q, seqlen_k,
-                     group_size, sq_pad, qk_scale, sm_scale, 1, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready,
-                     ready, empty, seqlen_q, seqlen_k, group_size, CAUSAL, STAGES)),
+        (_consumer, (k_buf, v_buf, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc, dv_desc, seqlen_q,
+                     seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale, 0, HEAD_DIM,
+                     CAUSAL, STAGES, SPLIT_COLS, PERSISTENT)),
+        (_consumer, (k_buf, v_buf, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc, dv_desc, seqlen_q,
+                     seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale, 1, HEAD_DIM,
+                     CAUSAL, STAGES, SPLIT_COLS, PERSISTENT)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs,
+                     tile_slot, kv_ready, ready, empty, done, tile_counter, seqlen_q, seqlen_k, group_size, n_blocks,
+                     num_kv_heads, num_tiles, CAUSAL, STAGES, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @triton.jit
-def _row_stats_kernel(Out, DOut, Lse, DLse, Stats, Acc, o_strides, do_strides, lse_strides, dlse_strides, seqlen_q,
-                      num_heads, sq_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+def _row_stats_kernel(Out, DOut, Lse, DLse, Stats, Acc, TileCounter, o_strides, do_strides, lse_strides, dlse_strides,
+                      seqlen_q, num_heads, sq_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
     """``stats[b * Hq + h] = (lse * log2 e, delta)`` of rows ``[0, sq_pad)``, ``delta =
     rowsum(dO * out) - dlse``; ``lse = -inf`` (a row that sees no key) and rows past ``Sq``
     become ``+inf`` (``P = 0`` without a mask), delta 0 past ``Sq``. Also zeroes the same rows of
     the float32 dQ accumulator ``Acc [B, Hq, sq_pad, D]`` (contiguous) that the backward kernel
-    adds into. Grid ``(sq_pad / BLOCK, Hq, B)``; ``*_strides``: ``(batch, row, head)`` of
-    ``out``/``dO`` (last dim contiguous), ``(batch, head, row)`` of ``lse``/``dlse``."""
+    adds into, and the backward kernel's int32 tile counter. Grid ``(sq_pad / BLOCK, Hq, B)``;
+    ``*_strides``: ``(batch, row, head)`` of ``out``/``dO`` (last dim contiguous), ``(batch,
+    head, row)`` of ``lse``/``dlse``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     head = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -362,6 +474,8 @@ def _row_stats_kernel(Out, DOut, Lse, DLse, Stats, Acc, o_strides, do_strides, l
     tl.store(dst + sq_pad, delta)
     acc = Acc + ((b * num_heads + head) * sq_pad + rows[:, None]) * HEAD_DIM + cols[None, :]
     tl.store(acc, tl.zeros([BLOCK, HEAD_DIM], tl.float32))
+    if tl.program_id(0) + head + b == 0:
+        tl.store(TileCounter, 0)
 
 
 @triton.jit
@@ -403,8 +517,10 @@ def supported(q, k, v, dout, dq, dk, dv) -> bool:
     return dq.stride(-1) == 1
 
 
-def launch_args(q, k, v, dout, stats, dq_acc, dk, dv, *, causal: bool, softmax_scale: float):
-    """``(grid, args, kwargs)`` of the backward kernel (also used to compile without a GPU)."""
+def launch_args(q, k, v, dout, stats, dq_acc, dk, dv, tile_counter, *, causal: bool, softmax_scale: float):
+    """``(grid, args, kwargs)`` of the backward kernel (also used to compile without a GPU):
+    at :data:`PERSISTENT_HEAD_DIMS` one program per SM at most (:func:`num_sms`), each taking
+    tiles until none is left; otherwise one program per tile."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     split_cols = head_dim == 128
@@ -416,13 +532,17 @@ def launch_args(q, k, v, dout, stats, dq_acc, dk, dv, *, causal: bool, softmax_s
     stats_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)  # row-major
     stats_desc = TensorDescriptor(stats, [batch * num_heads, 2, sq_pad], [2 * sq_pad, sq_pad, 1], [1, 2, BLOCK_M],
                                   stats_layout)
-    grid = (cdiv(seqlen_k, BLOCK_N), num_kv_heads, batch)
+    n_blocks = cdiv(seqlen_k, BLOCK_N)
+    num_tiles = n_blocks * num_kv_heads * batch
+    persistent = head_dim in PERSISTENT_HEAD_DIMS
+    grid = (min(num_tiles, num_sms(q.device)) if persistent else num_tiles,)
     args = (make_descriptor(q, BLOCK_M), make_descriptor(k, BLOCK_N), make_descriptor(v, BLOCK_N),
             make_descriptor(dout, BLOCK_M), stats_desc, dq_desc, make_descriptor(dk, WG_KEYS),
-            make_descriptor(dv, WG_KEYS),
-            seqlen_q, seqlen_k, num_heads // num_kv_heads, sq_pad, softmax_scale * LOG2E, softmax_scale)
+            make_descriptor(dv, WG_KEYS), tile_counter,
+            seqlen_q, seqlen_k, num_heads // num_kv_heads, sq_pad, n_blocks, num_kv_heads, num_tiles,
+            softmax_scale * LOG2E, softmax_scale)
     kwargs = dict(HEAD_DIM=head_dim, CAUSAL=causal, STAGES=STAGES, SPLIT_COLS=split_cols,
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PERSISTENT=persistent)
     return grid, args, kwargs
 
 
@@ -444,11 +564,12 @@ def gluon_backward(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, softmax
     # after the cast, for replays that keep the buffer, wrote it twice per eager call).
     dq_acc = allocate((batch, num_heads, sq_pad, head_dim), torch.float32, q.device)
     stats = allocate((batch * num_heads, 2, sq_pad), torch.float32, q.device)
+    tile_counter = allocate((1,), torch.int32, q.device)
     _launch_stats((sq_pad // CONVERT_ROWS, num_heads, batch), out, dout, lse, lse if dlse is None else dlse, stats,
-                  dq_acc, _strides3(out), _strides3(dout), lse.stride(), (0, 0, 0) if dlse is None else dlse.stride(),
-                  seqlen_q, num_heads, sq_pad, HEAD_DIM=head_dim, BLOCK=CONVERT_ROWS, HAS_DLSE=dlse is not None,
-                  num_warps=4, num_stages=1)
-    grid, args, kwargs = launch_args(q, k, v, dout, stats, dq_acc, dk, dv, causal=causal,
+                  dq_acc, tile_counter, _strides3(out), _strides3(dout), lse.stride(),
+                  (0, 0, 0) if dlse is None else dlse.stride(), seqlen_q, num_heads, sq_pad, HEAD_DIM=head_dim,
+                  BLOCK=CONVERT_ROWS, HAS_DLSE=dlse is not None, num_warps=4, num_stages=1)
+    grid, args, kwargs = launch_args(q, k, v, dout, stats, dq_acc, dk, dv, tile_counter, causal=causal,
                                      softmax_scale=softmax_scale)
     _launch_kernel(grid, *args, **kwargs, num_warps=4, maxnreg=MAXNREG)
     _launch_convert((sq_pad // CONVERT_ROWS, num_heads, batch), dq_acc, dq, dq.stride(0), dq.stride(1),
