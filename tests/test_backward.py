@@ -567,16 +567,18 @@ def test_gluon_backward_rows_past_the_tiles_gpu(head_dim, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [1, 3, 7])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_backward_many_tiles_per_program_gpu(programs, causal, monkeypatch):
-    """Head dim 64 runs persistent programs that take tiles from a counter: with the grid cut to a
-    few programs, each takes many tiles of several heads and batches (the K/V reload after the
-    previous tile's products, the dK/dV stores staged under the next tile's loads, the ring and
-    barrier phases carried across tiles), including GQA groups and tiles that end past Sk."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_backward_many_tiles_per_program_gpu(head_dim, programs, causal, monkeypatch):
+    """The Gluon backward runs persistent programs that take tiles from a counter: with the grid
+    cut to a few programs, each takes many tiles of several heads and batches (the K/V reload
+    after the previous tile's products, the dK/dV stores staged under the next tile's loads, the
+    ring and barrier phases carried across tiles), including GQA groups and tiles that end past
+    Sk."""
     from flashkernel.kernels.gluon import backward as gluon_backward
 
     monkeypatch.setattr(gluon_backward, "num_sms", lambda device: programs)
-    run_dense(3, 333, 200, (6, 3), 64, torch.bfloat16, causal=causal, backend="gluon")
-    run_dense(2, 200, 461, (8, 2), 64, torch.float16, causal=causal, backend="gluon")
+    run_dense(3, 333, 200, (6, 3), head_dim, torch.bfloat16, causal=causal, backend="gluon")
+    run_dense(2, 200, 461, (8, 2), head_dim, torch.float16, causal=causal, backend="gluon")
 
 
 @pytest.mark.gpu

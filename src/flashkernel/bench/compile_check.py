@@ -139,9 +139,10 @@ class BackwardSpec:
 
 # Spill bytes (stored) the backward may show at sm_90a: at head dim 128 two float32 [64, 128]
 # accumulators (dK, dV) share the 240 registers of a consumer warpgroup with the score tiles, and
-# ptxas spills a few scalars outside the loops (76 B without the mask, 148 B causal; the loop
-# bodies spill nothing since the row statistics come from shared memory); more fails the check.
-BACKWARD_SPILL_ALLOWANCE = {64: 0, 128: 256}
+# ptxas spills a few scalars outside the step loops (8 B without the mask, 52 B causal). With the
+# wgmma descriptors of the K/V views hoisted out of the tile loop it spilled 332-460 B and
+# reloaded them every step (gluon/backward.py, ``_kv_views``); more than the allowance fails.
+BACKWARD_SPILL_ALLOWANCE = {64: 0, 128: 64}
 
 
 def backward_specs(head_dims=(64, 128), dtypes=DTYPES) -> list[BackwardSpec]:

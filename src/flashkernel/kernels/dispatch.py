@@ -377,7 +377,7 @@ def decode_length_family(q, k_cache, v_cache, k_new, block_table, k_scale, *, ca
 # Where "auto" takes the Gluon backward: from this key length per (head dim, causal), the shortest
 # length of the backward sweep (1k/4k/16k, bf16, 16k tokens per batch, model dim 2048;
 # ``flashkernel bench backward``, ``benchmarks/results/h200/backward.json``) at which it beat the
-# Triton kernels (in the committed run it wins at every point, by 1.33-1.64x).
+# Triton kernels (in the committed run it wins at every point, by 1.34-1.66x).
 # Shorter keys were not measured and keep the Triton kernels.
 GLUON_BACKWARD_MIN_SEQLEN_K = {(64, False): 1024, (64, True): 1024, (128, False): 1024, (128, True): 1024}
 

@@ -11,13 +11,16 @@ the products asynchronously (FlashAttention 3's structure).
 Design (a tile = ``2 x 64`` keys of one (KV head, batch); 2 consumer warpgroups and a producer
 warp per CTA):
 
-* **Tiles**: at head dim 64 the CTAs are persistent, one per SM: each takes tiles from a counter
-  in the order a grid of one CTA per tile would run them (key tiles fastest, so the CTAs running
-  at once share their query heads' Q/dO in L2), and the next tile's K/V, Q and dO load while the
-  consumers store the previous tile's dK/dV. At 1k keys this took 4-5% off the backward (the
-  fixed cost of a CTA, ~3.7 us, is a fifth of its time there). At head dim 128 one CTA runs
-  one tile: the tile loop cost the step loops registers (ptxas reloaded wgmma descriptors from
-  local memory in every step) and made the kernel 4-13% slower.
+* **Tiles**: the CTAs are persistent, one per SM: each takes tiles from a counter in the order
+  a grid of one CTA per tile would run them (key tiles fastest, so the CTAs running at once
+  share their query heads' Q/dO in L2), and the next tile's K/V, Q and dO load while the
+  consumers store the previous tile's dK/dV. At 1k keys this took 4-6% off the backward (the
+  fixed cost of a CTA, ~3.7 us, is a fifth of its time there at head dim 64). The consumers
+  rebuild their K/V views in every step (:func:`_kv_views`), or ptxas spills the wgmma
+  descriptors of the tile loop at head dim 128.
+  Causal tiles in chunks of (batch, KV head) pairs, longest first within a chunk, gained nothing
+  measurable and lost up to 31% once a chunk's Q/dO outgrew L2 (docs/perf-notes.md, "Tried and
+  reverted").
 * **Producer** (1 warp): loads the tile's K and V once, then for every query head of the
   GQA group and every query tile of 64 rows that sees the keys, Q, dO and the rows' statistics
   (``lse * log2 e`` and ``delta``, written beforehand by :func:`_row_stats_kernel`) into a
@@ -89,10 +92,6 @@ BLOCK_N = WG_KEYS * NUM_CONSUMERS  # keys per program
 BLOCK_M = 64  # query rows per step
 HEAD_DIMS = (64, 128)
 STAGES = 2
-# Head dims whose programs take tiles until none is left (one program per SM). At head dim 128
-# the tile loop costs the step loops registers: ptxas reloads wgmma descriptors from local
-# memory every step, and the kernel ran 4-13% slower than one program per tile.
-PERSISTENT_HEAD_DIMS = (64,)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 _WG = gl.constexpr(WG_KEYS)
@@ -163,33 +162,26 @@ def _produce_tile(tile, r, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, n
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, tile_slot,
               kv_ready, ready, empty, done, tile_counter, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads,
-              num_tiles, CAUSAL: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """``PERSISTENT``: takes tiles until none is left. Its first is its program id, the next ones
-    come from ``tile_counter`` (fetched while the consumers finish a tile's last steps); each is
-    handed to the consumers in ``tile_slot``, which they read after ``kv_ready``. Past the last
-    tile it hands them ``num_tiles`` and completes ``kv_ready`` with no load. Otherwise: the
-    tile of its program id."""
+              num_tiles, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Takes tiles until none is left: the first is its program id, the next ones come from
+    ``tile_counter`` (fetched while the consumers finish a tile's last steps); each is handed to
+    the consumers in ``tile_slot``, which they read after ``kv_ready``. Past the last tile it
+    hands them ``num_tiles`` and completes ``kv_ready`` with no load."""
     loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready,
              empty, done)
-    if PERSISTENT:
-        slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        tile = gl.program_id(0)
-        r = 0
-        t = 0
-        while tile < num_tiles:
-            mbarrier.wait(done, (r & 1) ^ 1)  # the consumers have read the slot
-            tile_slot.store(gl.full([1], tile, gl.int32, slot_layout))
-            t = _produce_tile(tile, r, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL,
-                              STAGES)
-            tile = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
-            r += 1
-        mbarrier.wait(done, (r & 1) ^ 1)
-        tile_slot.store(gl.full([1], num_tiles, gl.int32, slot_layout))
-        mbarrier.arrive(kv_ready)
-    else:
-        start = gl.program_id(0) * 0  # a tensor, as the ring position is loop-carried
-        _produce_tile(gl.program_id(0), start, start, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads,
-                      CAUSAL, STAGES)
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tile = gl.program_id(0)
+    r = 0
+    t = 0
+    while tile < num_tiles:
+        mbarrier.wait(done, (r & 1) ^ 1)  # the consumers have read the slot
+        tile_slot.store(gl.full([1], tile, gl.int32, slot_layout))
+        t = _produce_tile(tile, r, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL, STAGES)
+        tile = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
+        r += 1
+    mbarrier.wait(done, (r & 1) ^ 1)
+    tile_slot.store(gl.full([1], num_tiles, gl.int32, slot_layout))
+    mbarrier.arrive(kv_ready)
 
 
 # ---- consumers ---------------------------------------------------------------------------------
@@ -215,13 +207,34 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _kv_views(k_bufs, v_bufs, i, ME: gl.constexpr, SPLIT_COLS: gl.constexpr):
+    """``(K rows of consumer ME [64, D], V rows of consumer ME [64, D], K columns of its dQ share
+    [128, D/2 or D])`` of the K/V tiles ``k_bufs.index(i)``, ``v_bufs.index(i)`` (the buffers
+    hold one tile each).
+
+    Each step builds them with ``i = t * kv_zero``, 0 at run time, which the compiler cannot see
+    through. Views of the same buffer at every step let it hoist their ~20 wgmma descriptors out
+    of the tile loop: at head dim 128 ptxas then kept 11 of them in local memory and reloaded
+    them every step (12 LDL per step; the kernel ran 4-13% slower than with one program per
+    tile). Built in the step, they cost a few uniform-register adds."""
+    k_all = _as_matrix(k_bufs.index(i))  # [128, D]
+    HEAD_DIM: gl.constexpr = k_all.shape[1]
+    if SPLIT_COLS:
+        k_cols = k_all.slice(ME * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # [128, D/2]
+    else:
+        k_cols = k_all
+    return k_all.slice(ME * _WG, _WG, dim=0), _as_matrix(v_bufs.index(i)).slice(ME * _WG, _WG, dim=0), k_cols
+
+
+@gluon.jit
 def _step(t, m, dk, dv, kv, bufs, bars, dq_desc, dq_row0, keys, key_limit, shift, qk_scale,
           ME: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
           SPLIT_COLS: gl.constexpr):
     """One query tile of 64 rows against this warpgroup's 64 keys: the five products, dK/dV
     accumulated, this warpgroup's share of the dQ tile reduced into ``dq_desc``. ``MASK``: some
     pair of the tile is invisible (keys past ``key_limit``, or the causal diagonal)."""
-    k_mine, v_mine, k_cols = kv
+    k_bufs, v_bufs, kv_zero = kv
+    k_mine, v_mine, k_cols = _kv_views(k_bufs, v_bufs, t * kv_zero, ME, SPLIT_COLS)
     q_bufs, do_bufs, stats_bufs, ds_bufs, dq_buf = bufs
     ready, empty, ds_ready = bars
     dtype: gl.constexpr = k_mine.dtype
@@ -350,60 +363,46 @@ def _consume_tile(tile, r, t, kv, bufs, stages, bars, done, stored, descs, seqle
 
 
 @gluon.jit
-def _consumer(k_buf, v_buf, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc, dv_desc, seqlen_q,
-              seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale,
+def _consumer(k_bufs, v_bufs, kv_zero, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc, dv_desc,
+              seqlen_q, seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale,
               ME: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT_COLS: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Consumer ``ME`` (keys ``[64 ME, 64 ME + 64)`` of each tile). ``PERSISTENT``: the tiles the
-    producer hands over in ``tile_slot``, until it hands ``num_tiles``; otherwise the tile of
-    its program id."""
+              SPLIT_COLS: gl.constexpr):
+    """Consumer ``ME`` (keys ``[64 ME, 64 ME + 64)`` of each tile) of the tiles the producer
+    hands over in ``tile_slot``, until it hands ``num_tiles``."""
     q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs = bufs
     my_bufs = (q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs.index(ME))
-    k_all = _as_matrix(k_buf)  # [128, D]
-    if SPLIT_COLS:
-        k_cols = k_all.slice(ME * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)  # [128, D/2]
-    else:
-        k_cols = k_all
-    kv = (k_all.slice(ME * _WG, _WG, dim=0), _as_matrix(v_buf).slice(ME * _WG, _WG, dim=0), k_cols)
+    kv = (k_bufs, v_bufs, kv_zero)
     # dK and dV leave by TMA stores staged in this consumer's dQ tile and in the dS buffer of
     # parity ME, so that the producer can fill the Q/dO ring with the next tile meanwhile.
     stages = (_stage(dq_bufs, dk_desc, ME), _stage(ds_bufs, dv_desc, ME))
     descs = (dq_desc, dk_desc, dv_desc)
-    if PERSISTENT:
-        slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        r = 0
-        t = 0
-        mbarrier.wait(kv_ready, 0)
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    r = 0
+    t = 0
+    mbarrier.wait(kv_ready, 0)
+    tile = gl.max(tile_slot.load(slot_layout), axis=0)
+    while tile < num_tiles:
+        t = _consume_tile(tile, r, t, kv, my_bufs, stages, bars, done, stored, descs, seqlen_q, seqlen_k, group_size,
+                          sq_pad, n_blocks, num_kv_heads, qk_scale, sm_scale, ME, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)
+        r += 1
+        mbarrier.wait(kv_ready, r & 1)
         tile = gl.max(tile_slot.load(slot_layout), axis=0)
-        while tile < num_tiles:
-            t = _consume_tile(tile, r, t, kv, my_bufs, stages, bars, done, stored, descs, seqlen_q, seqlen_k,
-                              group_size, sq_pad, n_blocks, num_kv_heads, qk_scale, sm_scale, ME, HEAD_DIM, CAUSAL,
-                              STAGES, SPLIT_COLS)
-            r += 1
-            mbarrier.wait(kv_ready, r & 1)
-            tile = gl.max(tile_slot.load(slot_layout), axis=0)
-    else:
-        mbarrier.wait(kv_ready, 0)
-        start = gl.program_id(0) * 0  # a tensor, as the ring position is loop-carried
-        _consume_tile(gl.program_id(0), start, start, kv, my_bufs, stages, bars, done, stored, descs, seqlen_q,
-                      seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, qk_scale, sm_scale, ME, HEAD_DIM, CAUSAL,
-                      STAGES, SPLIT_COLS)
 
 
 # Lengths and head counts change between calls; they only feed scalar index math.
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size", "sq_pad", "n_blocks", "num_kv_heads",
-                              "num_tiles"])
+                              "num_tiles", "kv_zero"])
 def _gluon_backward_kernel(
-    q_desc, k_desc, v_desc, do_desc, stats_desc, dq_desc, dk_desc, dv_desc, tile_counter,
+    q_desc, k_desc, v_desc, do_desc, stats_desc, dq_desc, dk_desc, dv_desc, tile_counter, kv_zero,
     seqlen_q, seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, SPLIT_COLS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Tiles ``(key tile, KV head, batch)`` of 128 keys (``num_tiles = n_blocks * num_kv_heads *
-    B``, key tiles fastest). ``PERSISTENT``: grid ``(min(num_tiles, SMs),)``, program ``p``
-    takes tile ``p``, then the next ones in order from ``tile_counter`` (an int32 zeroed
-    beforehand, counting from ``num_programs``); otherwise grid ``(num_tiles,)``, one tile per
-    program. 4 warps (+ 4 for the second consumer, 1 producer warp).
+    B``, key tiles fastest), grid ``(min(num_tiles, SMs),)``: program ``p`` takes tile ``p``,
+    then the next ones in order from ``tile_counter`` (an int32 zeroed beforehand, counting from
+    ``num_programs``). ``kv_zero``: 0, passed at run time (:func:`_kv_views`). 4 warps (+ 4 for
+    the second consumer, 1 producer warp).
 
     Descriptors: q/dO ``[B, Sq, Hq, D]`` box ``[1, 64, 1, D]``; k/v ``[B, Sk, Hkv, D]`` box ``[1,
     128, 1, D]``; stats_desc float32 ``[B * Hq, 2, sq_pad]`` (``lse * log2 e`` and ``delta``
@@ -412,8 +411,8 @@ def _gluon_backward_kernel(
     64, 1, D]``.
     """
     dtype: gl.constexpr = q_desc.dtype
-    k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     stats_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout)
@@ -431,15 +430,15 @@ def _gluon_backward_kernel(
     bufs = (q_bufs, do_bufs, stats_bufs, ds_bufs, dq_bufs)
     bars = (ready, empty, ds_ready)
     gl.warp_specialize([
-        (_consumer, (k_buf, v_buf, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc, dv_desc, seqlen_q,
-                     seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale, 0, HEAD_DIM,
-                     CAUSAL, STAGES, SPLIT_COLS, PERSISTENT)),
-        (_consumer, (k_buf, v_buf, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc, dv_desc, seqlen_q,
-                     seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale, sm_scale, 1, HEAD_DIM,
-                     CAUSAL, STAGES, SPLIT_COLS, PERSISTENT)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs,
-                     tile_slot, kv_ready, ready, empty, done, tile_counter, seqlen_q, seqlen_k, group_size, n_blocks,
-                     num_kv_heads, num_tiles, CAUSAL, STAGES, PERSISTENT)),
+        (_consumer, (k_bufs, v_bufs, kv_zero, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc,
+                     dv_desc, seqlen_q, seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale,
+                     sm_scale, 0, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
+        (_consumer, (k_bufs, v_bufs, kv_zero, bufs, tile_slot, kv_ready, bars, done, stored, dq_desc, dk_desc,
+                     dv_desc, seqlen_q, seqlen_k, group_size, sq_pad, n_blocks, num_kv_heads, num_tiles, qk_scale,
+                     sm_scale, 1, HEAD_DIM, CAUSAL, STAGES, SPLIT_COLS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_bufs.index(0), v_bufs.index(0), q_bufs, do_bufs,
+                     stats_bufs, tile_slot, kv_ready, ready, empty, done, tile_counter, seqlen_q, seqlen_k, group_size,
+                     n_blocks, num_kv_heads, num_tiles, CAUSAL, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -518,9 +517,8 @@ def supported(q, k, v, dout, dq, dk, dv) -> bool:
 
 
 def launch_args(q, k, v, dout, stats, dq_acc, dk, dv, tile_counter, *, causal: bool, softmax_scale: float):
-    """``(grid, args, kwargs)`` of the backward kernel (also used to compile without a GPU):
-    at :data:`PERSISTENT_HEAD_DIMS` one program per SM at most (:func:`num_sms`), each taking
-    tiles until none is left; otherwise one program per tile."""
+    """``(grid, args, kwargs)`` of the backward kernel (also used to compile without a GPU): one
+    program per SM at most (:func:`num_sms`), each taking tiles until none is left."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     split_cols = head_dim == 128
@@ -534,15 +532,14 @@ def launch_args(q, k, v, dout, stats, dq_acc, dk, dv, tile_counter, *, causal: b
                                   stats_layout)
     n_blocks = cdiv(seqlen_k, BLOCK_N)
     num_tiles = n_blocks * num_kv_heads * batch
-    persistent = head_dim in PERSISTENT_HEAD_DIMS
-    grid = (min(num_tiles, num_sms(q.device)) if persistent else num_tiles,)
+    grid = (min(num_tiles, num_sms(q.device)),)
     args = (make_descriptor(q, BLOCK_M), make_descriptor(k, BLOCK_N), make_descriptor(v, BLOCK_N),
             make_descriptor(dout, BLOCK_M), stats_desc, dq_desc, make_descriptor(dk, WG_KEYS),
-            make_descriptor(dv, WG_KEYS), tile_counter,
+            make_descriptor(dv, WG_KEYS), tile_counter, 0,
             seqlen_q, seqlen_k, num_heads // num_kv_heads, sq_pad, n_blocks, num_kv_heads, num_tiles,
             softmax_scale * LOG2E, softmax_scale)
     kwargs = dict(HEAD_DIM=head_dim, CAUSAL=causal, STAGES=STAGES, SPLIT_COLS=split_cols,
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PERSISTENT=persistent)
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     return grid, args, kwargs
 
 
