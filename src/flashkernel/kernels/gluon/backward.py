@@ -14,13 +14,11 @@ warp per CTA):
 * **Tiles**: the CTAs are persistent, one per SM: each takes tiles from a counter in the order
   a grid of one CTA per tile would run them (key tiles fastest, so the CTAs running at once
   share their query heads' Q/dO in L2), and the next tile's K/V, Q and dO load while the
-  consumers store the previous tile's dK/dV. At 1k keys this took 4-6% off the backward (the
-  fixed cost of a CTA, ~3.7 us, is a fifth of its time there at head dim 64). The consumers
-  rebuild their K/V views in every step (:func:`_kv_views`), or ptxas spills the wgmma
-  descriptors of the tile loop at head dim 128.
-  Causal tiles in chunks of (batch, KV head) pairs, longest first within a chunk, gained nothing
-  measurable and lost up to 31% once a chunk's Q/dO outgrew L2 (docs/perf-notes.md, "Tried and
-  reverted").
+  consumers store the previous tile's dK/dV. Causal at 1k keys this took 4-6% off the kernel
+  (the fixed cost of a CTA, ~3.7 us, is a fifth of its time there at head dim 64), elsewhere
+  at most 4%. The consumers rebuild their K/V views in every step (:func:`_kv_views`):
+  otherwise the K/V wgmma descriptors stay live across the tile loop and ptxas spills them at
+  head dim 128. Other tile orders: docs/perf-notes.md, "Tried and reverted".
 * **Producer** (1 warp): loads the tile's K and V once, then for every query head of the
   GQA group and every query tile of 64 rows that sees the keys, Q, dO and the rows' statistics
   (``lse * log2 e`` and ``delta``, written beforehand by :func:`_row_stats_kernel`) into a
@@ -213,10 +211,12 @@ def _kv_views(k_bufs, v_bufs, i, ME: gl.constexpr, SPLIT_COLS: gl.constexpr):
     hold one tile each).
 
     Each step builds them with ``i = t * kv_zero``, 0 at run time, which the compiler cannot see
-    through. Views of the same buffer at every step let it hoist their ~20 wgmma descriptors out
-    of the tile loop: at head dim 128 ptxas then kept 11 of them in local memory and reloaded
-    them every step (12 LDL per step; the kernel ran 4-13% slower than with one program per
-    tile). Built in the step, they cost a few uniform-register adds."""
+    through. Views of the same buffer at every step let it hoist their 24 wgmma descriptors (8
+    per product) out of the tile loop: at head dim 128 ptxas then kept 11 of them in local
+    memory and reloaded them every step (12 LDL per plain step, 21 per masked one; the kernel
+    ran 4-13% slower than with one program per tile). Built in the step they take no local
+    memory; with one program per tile they cost 1.4-2.4% without a mask, and the persistent
+    loop they allow gains more (docs/perf-notes.md)."""
     k_all = _as_matrix(k_bufs.index(i))  # [128, D]
     HEAD_DIM: gl.constexpr = k_all.shape[1]
     if SPLIT_COLS:
