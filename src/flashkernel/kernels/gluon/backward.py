@@ -127,17 +127,16 @@ def _tile_coords(tile, n_blocks, num_kv_heads):
 
 
 @gluon.jit
-def _produce_tile(tile, r, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL: gl.constexpr,
+def _produce_tile(tile, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL: gl.constexpr,
                   STAGES: gl.constexpr):
-    """The loads of the ``r``-th tile of this program, ``tile``, whose first step is the ring's
-    ``t``-th; returns the ring position after it. K/V are loaded once the consumers are done with
-    the previous tile's (``done``)."""
-    q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready, empty, \
-        done = loads
+    """The loads of tile ``tile``, whose first step is the ring's ``t``-th; returns the ring
+    position after it. Called once the consumers are done with the previous tile's K/V
+    (:func:`_producer` waits on ``done``)."""
+    q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready, \
+        empty = loads
     key0, kv_head, b = _tile_coords(tile, n_blocks, num_kv_heads)
     m_tiles = gl.cdiv(seqlen_q, _BM)
     num_q_heads = num_kv_heads * group_size
-    mbarrier.wait(done, (r & 1) ^ 1)  # a fresh barrier passes parity 1
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, key0, kv_head, 0], kv_ready, k_buf)
     tma.async_copy_global_to_shared(v_desc, [b, key0, kv_head, 0], kv_ready, v_buf)
@@ -166,15 +165,17 @@ def _producer(q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs,
     the consumers in ``tile_slot``, which they read after ``kv_ready``. Past the last tile it
     hands them ``num_tiles`` and completes ``kv_ready`` with no load."""
     loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, k_buf, v_buf, q_bufs, do_bufs, stats_bufs, kv_ready, ready,
-             empty, done)
+             empty)
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     tile = gl.program_id(0)
     r = 0
     t = 0
     while tile < num_tiles:
-        mbarrier.wait(done, (r & 1) ^ 1)  # the consumers have read the slot
+        # The consumers are past the previous tile's products (a fresh barrier passes parity 1):
+        # they have read the slot, and K/V are free.
+        mbarrier.wait(done, (r & 1) ^ 1)
         tile_slot.store(gl.full([1], tile, gl.int32, slot_layout))
-        t = _produce_tile(tile, r, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL, STAGES)
+        t = _produce_tile(tile, t, loads, seqlen_q, seqlen_k, group_size, n_blocks, num_kv_heads, CAUSAL, STAGES)
         tile = gl.num_programs(0) + gl.atomic_add(tile_counter, 1)
         r += 1
     mbarrier.wait(done, (r & 1) ^ 1)
