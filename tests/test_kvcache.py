@@ -415,28 +415,37 @@ def test_one_byte_caches_keep_a_large_grid_resident():
     fit = functools.partial(decode.fit_config, sms=132, head_dim=128, waves=2)
     held = tuned.quantized_resident_programs_per_sm * 132  # 396 programs of 128-key tiles at once
     most = tuned.quantized_multi_wave_resident_programs_per_sm * 132
-    # B=64, 4k, scales per tensor or head: 512 programs, more than 128-key tiles hold at once.
+    # B=64, 4k and 1k, scales per tensor or head: 512 programs, more than 128-key tiles hold at once.
     for page_size in (0, 16):
-        assert fit(table, tokens_per_program=4096, grid=512, page_size=page_size, kv_scale=1) == \
-            tuned.quantized_multi_wave_config
+        for tokens in (4096, 2048, 1024):
+            assert fit(table, tokens_per_program=tokens, grid=512, page_size=page_size, kv_scale=1) == \
+                tuned.quantized_multi_wave_config
         assert fit(table, tokens_per_program=4096, grid=most, page_size=page_size, kv_scale=1) == \
             tuned.quantized_multi_wave_config
-    # Not for grids the table's tiles hold, nor grids 64-key tiles cannot hold either.
+    # Not for grids the table's tiles hold, nor grids 64-key tiles cannot hold either (B=128, 4k).
     assert fit(table, tokens_per_program=4096, grid=held, page_size=0, kv_scale=1) == table
-    assert fit(table, tokens_per_program=4096, grid=most + 1, page_size=0, kv_scale=1) == table
-    # Not for what was not measured: per-token scales, large pages, short programs, other head dims.
-    assert fit(table, tokens_per_program=4096, grid=512, page_size=0, kv_scale=2) == table
+    for page_size in (0, 16):
+        assert fit(table, tokens_per_program=4096, grid=most + 1, page_size=page_size, kv_scale=1) == table
+    # Not for large pages, other head dims.
     assert fit(table, tokens_per_program=4096, grid=512, page_size=256, kv_scale=1) == table
-    assert fit(table, tokens_per_program=2048, grid=512, page_size=0, kv_scale=1) == tuned.multi_wave_config
     assert decode.fit_config(table, 4096, 512, 132, 0, head_dim=64, waves=2, kv_scale=1) == table
+    # Per-token scales keep 128-key tiles in every large grid, contiguous or paged, where a bf16
+    # cache takes the 32-key multi-wave tile.
+    for page_size in (0, 16):
+        for tokens, grid in ((4096, 512), (1024, 512), (4096, 1024)):
+            assert fit(table, tokens_per_program=tokens, grid=grid, page_size=page_size, kv_scale=2) == table
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=16) == tuned.multi_wave_config
+    # Short splits still get short tiles.
+    assert fit(table, tokens_per_program=256, grid=128, page_size=0, kv_scale=2).block_n == tuned.short_block_n
     # A bf16 cache's grid of the same size is not affected.
     assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
 
 
-@pytest.mark.parametrize("kv_scale, page_size", [(0, 0), (1, 0), (1, 16), (2, 0)])
+@pytest.mark.parametrize("kv_scale, page_size", [(0, 0), (1, 0), (1, 16), (2, 0), (2, 16)])
 def test_planned_decode_takes_the_resident_tiles_for_batch_64(monkeypatch, kv_scale, page_size):
     """What ``plan_decode`` (used by decode_forward and the length families) gives batch 64 x 4k
-    on a 132-SM GPU: 64-key tiles over a 1-byte cache with scales per tensor or head only."""
+    on a 132-SM GPU: 64-key tiles over a 1-byte cache with scales per tensor or head only;
+    128-key tiles over bf16 and with per-token scales (pages of 16 too)."""
     monkeypatch.setattr(decode, "sm_count", lambda device, interpreted: 132)
     tuned = tuning.decode_tuning(None)
     q = torch.empty(64, 1, 32, 128, dtype=torch.bfloat16)
@@ -446,6 +455,9 @@ def test_planned_decode_takes_the_resident_tiles_for_batch_64(monkeypatch, kv_sc
     assert launch.num_splits == 1
     if kv_scale == 1:
         assert launch.config == tuned.quantized_multi_wave_config
+    elif kv_scale == 2:
+        table = tuned.quantized_small_pages if page_size else tuned.quantized_contiguous
+        assert launch.config == table[128]
     else:
         assert launch.config.block_n == 128
 

@@ -3,13 +3,14 @@
     flashkernel bench kvquant --out benchmarks/results/h200            # GPU: kvquant.{json,csv,png}
     python -m flashkernel.bench.kvquant --sections accuracy --markdown # CPU is enough: the README's table
     python -m flashkernel.bench.kvquant --sections sweep --out DIR [--sweep-layouts paged16]  # tile configs
+        [--sweep-shapes 64:4096 128:4096] [--sweep-configs 32x4w4s 128x4w3s]
 
 Sections:
 
 * ``perf`` (GPU): one decode step (no append) of a 7B-class layer (32 query heads, 8 KV heads,
   head dim 128, bf16 queries, one new token) over bf16 / fp8 / int8 caches, scales per tensor,
   per KV head and per token, contiguous and in pages of 16, batch x context from 1 x 1k to 1 x
-  128k, 8 x 4k/32k/128k and 64 x 4k; timed as CUDA-graph replays and as eager calls (inputs
+  128k, 8 x 4k/32k/128k and 64 x 1k/4k; timed as CUDA-graph replays and as eager calls (inputs
   rotated so that none sits in L2). Per row: the bytes the step reads (K and V at 1 or 2 bytes,
   per-token scales at 4 bytes per token and head, q and the output), the effective bandwidth on
   those bytes and its fraction of the read bandwidth measured in the same run (the faster of
@@ -17,12 +18,15 @@ Sections:
   step on a bf16 cache, per-token over
   per-tensor scales, and a 32-layer model's attention steps/s against the bound that read
   bandwidth sets. The Gluon kernel (``backend="gluon"``) is timed too over pages of 16 (graph
-  replays, scales per tensor), where the policy would consider it. Outputs of shapes up to
-  32k tokens are checked against float64 attention over the dequantized cache before timing.
+  replays, scales per tensor), where the policy would consider it. Outputs at contexts up to
+  32k tokens (the first and last sequence) are checked against float64 attention over the
+  dequantized cache before timing.
 * ``sweep`` (GPU): graph-replayed step times of the Triton kernel's tile configs over 1-byte
   caches (what ``tuned/decode.json``'s ``quantized`` tables choose from) and over the bf16 cache
   (its ``contiguous`` and ``small_pages`` tables), each config given explicitly: the split count
   is the automatic one, but the dispatcher's short-split rule (``fit_config``) does not apply.
+  ``--sweep-shapes`` / ``--sweep-configs`` replace the shapes and the configs swept (the bf16
+  cache then takes the same configs).
 * ``accuracy`` (CPU or GPU, float64 reference, no kernel): the error of attention over each
   format and granularity against the same attention over the bf16 cache it was quantized from,
   on random data and on K with a few channels 100x larger (as real K caches have).
@@ -38,6 +42,7 @@ import argparse
 import csv
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -49,12 +54,12 @@ from .. import reference
 
 LAYERS = 32
 SHAPES = ((1, 1024), (1, 4096), (1, 16384), (1, 32768), (1, 65536), (1, 131072), (8, 4096), (8, 32768),
-          (8, 131072), (64, 4096))
+          (8, 131072), (64, 1024), (64, 4096))
 QUICK_SHAPES = ((1, 4096), (1, 32768), (8, 32768))
 FORMATS = {"bf16": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 GRANULARITIES = ("tensor", "head", "token")
 LAYOUTS = {"contiguous": 0, "paged16": 16}
-CHECK_MAX_TOKENS = 32768  # outputs of shapes up to this many cached tokens are checked before timing
+CHECK_MAX_TOKENS = 32768  # outputs of contexts up to this many tokens are checked before timing (2 sequences)
 READ_BYTES = 4 * 2**30
 SWEEP_CONFIGS = ((64, 4, 3), (64, 4, 5), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 4, 5), (128, 8, 3),
                  (128, 8, 4), (128, 8, 5))
@@ -254,7 +259,7 @@ def perf_rows(setup: Setup, shapes, settings, read_gbps: float | None, log) -> l
                     calls = [step(c[(fmt, granularity)], backend) for c in copies]
                     row = dict(section="perf", provider=backend, layout=layout, format=fmt, granularity=granularity,
                                batch=batch, context=context)
-                    if batch * context <= CHECK_MAX_TOKENS:
+                    if context <= CHECK_MAX_TOKENS:
                         row.update(check(calls[0], first))
                     row.update(timed(setup, calls, settings, eager=backend == "triton"))
                     rows.append(figures(setup, row, read_gbps))
@@ -304,21 +309,23 @@ def add_ratios(rows: list[dict]) -> None:
             row["token_over_tensor"] = row["graph_us"] / per_tensor["graph_us"]
 
 
-def sweep_rows(setup: Setup, settings, log, layouts=tuple(LAYOUTS)) -> list[dict]:
+def sweep_rows(setup: Setup, settings, log, layouts=tuple(LAYOUTS), shapes=SWEEP_SHAPES,
+               configs=None) -> list[dict]:
     """Graph-replayed step times of the Triton kernel at each of ``SWEEP_CONFIGS`` (fp8 and int8,
     scales per tensor and per token) and of ``SWEEP_CONFIGS_BF16`` (the bf16 cache, for its own
-    table), over ``layouts``."""
+    table), over ``layouts`` at ``shapes`` (``(batch, context)`` pairs); ``configs``
+    (``(block_n, num_warps, num_stages)`` triples) replaces both config lists."""
     from ..kernels import decode
     from ..kernels.tuning import DecodeConfig
 
     rows = []
-    for batch, context in SWEEP_SHAPES:
+    for batch, context in shapes:
         for layout in layouts:
             copies = copies_for(setup, batch, context, layout)
             for (fmt, granularity), first in copies[0].items():
                 if granularity not in (None, "tensor", "token"):
                     continue
-                for config in SWEEP_CONFIGS if granularity else SWEEP_CONFIGS_BF16:
+                for config in configs or (SWEEP_CONFIGS if granularity else SWEEP_CONFIGS_BF16):
                     config = DecodeConfig(*config)
                     calls = [sweep_call(c[(fmt, granularity)], config, decode) for c in copies]
                     try:
@@ -504,6 +511,26 @@ def plot(out_dir: Path, rows: list[dict]) -> list[Path]:
     return paths
 
 
+def _shape_arg(text: str) -> tuple[int, int]:
+    """``"64:4096"`` -> ``(64, 4096)``: a batch and a context for the sweep."""
+    try:
+        batch, context = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCH:CONTEXT such as 64:4096, got {text!r}") from None
+    if batch < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"batch and context must be positive, got {text!r}")
+    return batch, context
+
+
+def _config_arg(text: str) -> tuple[int, int, int]:
+    """``"128x4w3s"`` -> ``(128, 4, 3)``: keys per tile, warps, pipeline stages (the form the
+    sweep's rows name their config in)."""
+    found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s", text)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"expected BLOCKxWARPSwSTAGESs such as 128x4w3s, got {text!r}")
+    return tuple(int(g) for g in found.groups())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="results directory (kvquant.json, kvquant.csv, PNGs)")
@@ -512,6 +539,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"perf at {len(QUICK_SHAPES)} shapes only")
     parser.add_argument("--sweep-layouts", nargs="+", choices=tuple(LAYOUTS), default=tuple(LAYOUTS),
                         help="cache layouts the sweep section times (default: both)")
+    parser.add_argument("--sweep-shapes", nargs="+", type=_shape_arg, default=SWEEP_SHAPES, metavar="BATCH:CONTEXT",
+                        help="shapes the sweep section times (default: "
+                             f"{' '.join(f'{b}:{c}' for b, c in SWEEP_SHAPES)})")
+    parser.add_argument("--sweep-configs", nargs="+", type=_config_arg, metavar="BLOCKxWARPSwSTAGESs",
+                        help="tile configs the sweep section times, e.g. 128x4w3s (default: the built-in lists)")
     parser.add_argument("--markdown", action="store_true", help="print the accuracy table as Markdown")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available()
@@ -532,7 +564,7 @@ def main(argv=None) -> int:
               f"a streaming Triton kernel {doc['triton_stream_gbps']:.0f} GB/s")
         doc["rows"] += perf_rows(setup, QUICK_SHAPES if args.quick else SHAPES, settings, doc["read_gbps"], log_row)
     if "sweep" in sections:
-        doc["rows"] += sweep_rows(setup, settings, log_row, args.sweep_layouts)
+        doc["rows"] += sweep_rows(setup, settings, log_row, args.sweep_layouts, args.sweep_shapes, args.sweep_configs)
     if "accuracy" in sections:
         rows = accuracy_rows(setup, log_row)
         doc["rows"] += rows

@@ -953,23 +953,28 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
     """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
     the ones measured): short splits get short tiles; grids of more than the planned ``waves``
     of programs (the batch alone fills the GPU) get, when the programs are short (or the pages
-    small), a config that fits three programs per SM. Before that rule, over a 1-byte cache
-    with scales per tensor or KV head (``kv_scale`` 1, :func:`scale_args`) at head dim 128,
-    contiguous or in small pages: a grid that the table's 128-key tiles cannot hold at once
-    (three programs per SM) but 64-key tiles can (five), of programs longer than the short ones
-    above, gets the 64-key tiles. Batch 64 x 4k (512 programs) ran 1.3 waves on 128-key tiles,
-    the last one mostly idle. Per-token scales ran slower on 64-key tiles than with the idle
-    wave; other layouts, lengths and grids were not measured."""
+    small), a config that fits three programs per SM.
+
+    Over a 1-byte cache at head dim 128 (``kv_scale`` 1: scales per tensor or KV head, 2: per
+    token, :func:`scale_args`) that last config, a bf16 tile of 32 keys, never applies: with
+    scales per tensor or head, contiguous or in small pages, a grid that the table's 128-key
+    tiles cannot hold at once (three programs per SM) but 64-key tiles can (five) gets the
+    64-key tiles; every other grid keeps the table's tiles. Measured (graph replays, 32 / 8
+    heads): batch 64 x 1k and 4k ran 1.3 waves of 128-key tiles, the last one mostly idle, and
+    64-key tiles were 10-20% faster there; per-token scales pay a fixed cost per tile (the
+    scale loads, the tile's largest V scale), so 32- and 64-key tiles took 1.2-1.5x the time of
+    128-key ones at batch 32-128 (``kvquant-multiwave-sweep.json``)."""
     tuned = tuned or tuning.decode_tuning(None)
     if padded_head_dim(head_dim) > 128:
         return config
     small_pages = 0 < page_size < tuned.large_page
-    if (kv_scale == 1 and padded_head_dim(head_dim) == 128 and (page_size == 0 or small_pages)
-            and tokens_per_program > tuned.multi_wave_max_tokens
+    one_byte = kv_scale > 0 and padded_head_dim(head_dim) == 128
+    if (one_byte and kv_scale == 1 and (page_size == 0 or small_pages)
             and tuned.quantized_resident_programs_per_sm * sms < grid
             <= tuned.quantized_multi_wave_resident_programs_per_sm * sms):
         return tuned.quantized_multi_wave_config
-    if grid > waves * sms and (tokens_per_program <= tuned.multi_wave_max_tokens or small_pages):
+    if (not one_byte and grid > waves * sms
+            and (tokens_per_program <= tuned.multi_wave_max_tokens or small_pages)):
         return tuned.multi_wave_config
     if tokens_per_program <= tuned.short_split_tokens and config.block_n > tuned.short_block_n:
         return dataclasses.replace(config, block_n=tuned.short_block_n)
