@@ -435,8 +435,11 @@ def test_one_byte_caches_keep_a_large_grid_resident():
         for tokens, grid in ((4096, 512), (1024, 512), (4096, 1024)):
             assert fit(table, tokens_per_program=tokens, grid=grid, page_size=page_size, kv_scale=2) == table
     assert fit(table, tokens_per_program=1024, grid=512, page_size=16) == tuned.multi_wave_config
-    # Short splits still get short tiles.
-    assert fit(table, tokens_per_program=256, grid=128, page_size=0, kv_scale=2).block_n == tuned.short_block_n
+    # Short splits get short tiles, but with per-token scales (whole_tiles).
+    assert fit(table, tokens_per_program=256, grid=128, page_size=0, kv_scale=1).block_n == tuned.short_block_n
+    assert fit(table, tokens_per_program=128, grid=264, page_size=0, kv_scale=2) == table
+    assert fit(table, tokens_per_program=256, grid=128, page_size=16, kv_scale=2) == table
+    assert decode.fit_config(table, 256, 128, 132, 0, head_dim=64, kv_scale=2).block_n == tuned.short_block_n
     # A bf16 cache's grid of the same size is not affected.
     assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
 
@@ -460,6 +463,22 @@ def test_planned_decode_takes_the_resident_tiles_for_batch_64(monkeypatch, kv_sc
         assert launch.config == table[128]
     else:
         assert launch.config.block_n == 128
+
+
+@pytest.mark.parametrize("kv_scale, page_size, context, splits, block_n", [
+    (2, 0, 4096, 32, 128), (2, 16, 4096, 16, 128), (2, 16, 1024, 8, 128), (2, 0, 1024, 8, 128),
+    (1, 0, 4096, 33, 64), (1, 16, 1024, 16, 64), (0, 0, 4096, 16, 64)])
+def test_per_token_scales_split_into_whole_tiles(monkeypatch, kv_scale, page_size, context, splits, block_n):
+    """Batch 1 over 8 KV heads on a 132-SM GPU: with per-token scales each split reads at least
+    one whole 128-key tile (``decode.whole_tiles``); scales per tensor and bf16 caches keep short
+    splits of 64-key tiles."""
+    monkeypatch.setattr(decode, "sm_count", lambda device, interpreted: 132)
+    tuned = tuning.decode_tuning(None)
+    q = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16)
+    geometry = decode.CacheGeometry(page_size, context, 1 if page_size == 0 else context // page_size)
+    launch = decode.plan_decode(q, 8, geometry, Variant.of(True, (-1, -1), 0.0, None, None), 0, None, tuned,
+                                kv_scale, False)
+    assert (launch.num_splits, launch.config.block_n) == (splits, block_n)
 
 
 def _paged_copy(cache: torch.Tensor, page_size: int):

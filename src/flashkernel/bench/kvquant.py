@@ -1,6 +1,7 @@
 """Quantized KV caches: decode steps over bf16, float8_e4m3fn and int8 caches, and what each format costs in accuracy.
 
     flashkernel bench kvquant --out benchmarks/results/h200            # GPU: kvquant.{json,csv,png}
+    flashkernel bench kvquant --sections perf --shapes 1:4096 64:4096  # GPU: chosen shapes only
     python -m flashkernel.bench.kvquant --sections accuracy --markdown # CPU is enough: the README's table
     python -m flashkernel.bench.kvquant --sections sweep --out DIR [--sweep-layouts paged16]  # tile configs
         [--sweep-shapes 64:4096 128:4096] [--sweep-configs 32x4w4s 128x4w3s]
@@ -537,6 +538,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", nargs="+", choices=("perf", "sweep", "accuracy"),
                         help="default: perf and accuracy on a GPU, accuracy without one")
     parser.add_argument("--quick", action="store_true", help=f"perf at {len(QUICK_SHAPES)} shapes only")
+    parser.add_argument("--shapes", nargs="+", type=_shape_arg, metavar="BATCH:CONTEXT",
+                        help="shapes the perf section times (default: the full list, or --quick's)")
     parser.add_argument("--sweep-layouts", nargs="+", choices=tuple(LAYOUTS), default=tuple(LAYOUTS),
                         help="cache layouts the sweep section times (default: both)")
     parser.add_argument("--sweep-shapes", nargs="+", type=_shape_arg, default=SWEEP_SHAPES, metavar="BATCH:CONTEXT",
@@ -562,7 +565,8 @@ def main(argv=None) -> int:
         doc.update(measure_read_gbps(settings))
         print(f"read bandwidth ({READ_BYTES >> 30} GiB, graph replays): torch.sum {doc['torch_sum_gbps']:.0f} GB/s, "
               f"a streaming Triton kernel {doc['triton_stream_gbps']:.0f} GB/s")
-        doc["rows"] += perf_rows(setup, QUICK_SHAPES if args.quick else SHAPES, settings, doc["read_gbps"], log_row)
+        shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+        doc["rows"] += perf_rows(setup, shapes, settings, doc["read_gbps"], log_row)
     if "sweep" in sections:
         doc["rows"] += sweep_rows(setup, settings, log_row, args.sweep_layouts, args.sweep_shapes, args.sweep_configs)
     if "accuracy" in sections:

@@ -959,7 +959,8 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
     token, :func:`scale_args`) that last config, a bf16 tile of 32 keys, never applies: with
     scales per tensor or head, contiguous or in small pages, a grid that the table's 128-key
     tiles cannot hold at once (three programs per SM) but 64-key tiles can (five) gets the
-    64-key tiles; every other grid keeps the table's tiles. Measured (graph replays, 32 / 8
+    64-key tiles; every other grid keeps the table's tiles, and with per-token scales short
+    splits keep them too (:func:`whole_tiles`). Measured (graph replays, 32 / 8
     heads): batch 64 x 1k and 4k ran 1.3 waves of 128-key tiles, the last one mostly idle, and
     64-key tiles were 10-20% faster there; per-token scales pay a fixed cost per tile (the
     scale loads, the tile's largest V scale), so 32- and 64-key tiles took 1.2-1.5x the time of
@@ -976,9 +977,19 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
     if (not one_byte and grid > waves * sms
             and (tokens_per_program <= tuned.multi_wave_max_tokens or small_pages)):
         return tuned.multi_wave_config
-    if tokens_per_program <= tuned.short_split_tokens and config.block_n > tuned.short_block_n:
+    if (tokens_per_program <= tuned.short_split_tokens and config.block_n > tuned.short_block_n
+            and not whole_tiles(kv_scale, head_dim)):
         return dataclasses.replace(config, block_n=tuned.short_block_n)
     return config
+
+
+def whole_tiles(kv_scale: int, head_dim: int) -> bool:
+    """Whether short splits keep the table's tiles (and read at least one whole tile each): over a
+    1-byte cache with per-token scales (``kv_scale`` 2) at head dim 128, which pay per tile for
+    their scales. Measured (graph replays, 32 / 8 heads): batch 1 x 4k 11.1 against 12.2 us
+    contiguous and 11.8 against 14.1 over pages of 16, batch 8 x 1k 14.2 against 15.3; batch 1 x
+    1k over pages of 16 9.4 against 9.1 us (docs/perf-notes.md)."""
+    return kv_scale == 2 and padded_head_dim(head_dim) == 128
 
 
 def pick_block_m(rows: int, head_dim: int) -> int:
@@ -1149,8 +1160,9 @@ def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, var
     short_rules = (from_table and not interpreted and q.dtype != torch.float32
                    and padded_head_dim(head_dim) <= 128)
     if num_splits == 0:
+        short_n = config.block_n if whole_tiles(kv_scale, head_dim) else min(config.block_n, tuned.short_block_n)
         num_splits = pick_num_splits(
-            programs, span, min(config.block_n, tuned.short_block_n) if short_rules else config.block_n, sms,
+            programs, span, short_n if short_rules else config.block_n, sms,
             interpreted, page_size=geometry.page_size,
             min_split_tokens=tuned.min_split_tokens if short_rules else tuned.unmeasured_min_split_tokens,
             tuned=tuned, quantized=quantized)
