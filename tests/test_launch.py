@@ -615,6 +615,16 @@ def _stub_replay(monkeypatch, native, stub, sources):
     return replay, streams
 
 
+def _counted_stub_replay(monkeypatch, native, stub):
+    """:func:`_stub_replay` of ``q, k, held, temporary, output`` with every new buffer's shape noted
+    in ``allocated``; returns ``(replay, streams, allocated, (q, k, held), guard of (q, k, None))``."""
+    replay, streams = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4, 5])
+    allocated, fresh = [], _launch._fresh
+    monkeypatch.setattr(_launch, "_fresh", lambda *args: allocated.append(args[0]) or fresh(*args))
+    q, k, held = torch.randn(2, 8), torch.randn(4, 8), torch.zeros(3, dtype=torch.int32)
+    return replay, streams, allocated, (q, k, held), _launch.LayoutGuard.make((q, k, None))
+
+
 def test_checked_runs_of_a_replay_keep_temporaries_per_stream_and_allocate_only_what_they_launch(stub_native,
                                                                                                  monkeypatch):
     """``LayoutGuard.run`` over a replay through the C launcher (stub driver): the launch takes the
@@ -622,11 +632,7 @@ def test_checked_runs_of_a_replay_keep_temporaries_per_stream_and_allocate_only_
     is kept per stream (new ones under capture), the output is new per run, and a call the guard
     turns away allocates nothing. Without the C checks, the Python path launches the same."""
     native, stub = stub_native
-    replay, streams = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4, 5])  # q, k, held, temp, out
-    allocated, fresh = [], _launch._fresh
-    monkeypatch.setattr(_launch, "_fresh", lambda *args: allocated.append(args[0]) or fresh(*args))
-    q, k, held = torch.randn(2, 8), torch.randn(4, 8), torch.zeros(3, dtype=torch.int32)
-    guard = _launch.LayoutGuard.make((q, k, None))
+    replay, streams, allocated, (q, k, held), guard = _counted_stub_replay(monkeypatch, native, stub)
 
     def launched():
         return [stub.stub_param(i) - 8 for i in range(5)]
@@ -652,3 +658,34 @@ def test_checked_runs_of_a_replay_keep_temporaries_per_stream_and_allocate_only_
     (out,) = python_guard.run(replay, (q, k, None), (held,))
     assert python_guard._native is None and launched() == [q.data_ptr(), k.data_ptr(), held.data_ptr(), temps[0],
                                                            out.data_ptr()]
+
+
+def test_checked_runs_without_kept_temporaries_allocate_them_per_run(stub_native, monkeypatch):
+    """What the registered ops' replays do (``ops._cached``: ``CallCache.quick(...,
+    reuse_scratch=False)``): through the C launcher (stub driver) and through the Python path,
+    every run allocates its temporary and its output anew and the replay keeps none, so nothing
+    of ours outlives a call made while ``torch.compile``'s CUDA graphs allocate from their pool."""
+    native, stub = stub_native
+    replay, streams, allocated, (q, k, held), guard = _counted_stub_replay(monkeypatch, native, stub)
+    count = stub.stub_launches()
+    for _ in range(3):
+        (out,) = guard.run(replay, (torch.randn(2, 8), k, None), (held,), reuse_scratch=False)
+        assert out.shape == (2, 3) and [stub.stub_param(i) - 8 for i in (2, 4)] == [held.data_ptr(), out.data_ptr()]
+    assert stub.stub_launches() == count + 3 and allocated == [(4,), (2, 3)] * 3
+    assert replay._scratch_by_stream == {}
+    # CallCache.quick passes the choice on (no fixed tensors: a replay of the three inputs alone).
+    replay3, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4])  # q, k, temp, out
+    calls = _launch.CallCache()
+    calls._recent = [("probe", guard, replay3)]
+    allocated.clear()
+    (out,) = calls.quick("probe", (q, k, None), reuse_scratch=False)
+    assert allocated == [(4,), (2, 3)] and replay3._scratch_by_stream == {}
+    calls.quick("probe", (q, k, None))
+    assert list(replay3._scratch_by_stream) == [streams[-1]]  # the default keeps them, per stream
+    # The Python path (no C checks) alike.
+    monkeypatch.setattr(_launch._native, "checking_module", lambda: None)
+    python_guard = _launch.LayoutGuard.make((q, k, None))
+    replay4, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4, 5])
+    allocated.clear()
+    python_guard.run(replay4, (q, k, None), (held,), reuse_scratch=False)
+    assert allocated == [(4,), (2, 3)] and replay4._scratch_by_stream == {}

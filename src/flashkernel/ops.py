@@ -37,7 +37,7 @@ import contextlib
 import torch
 
 from .kernels import dispatch
-from .kernels._launch import CallCache, allocate, layouts
+from .kernels._launch import CallCache, allocate, layouts, stream_capturing
 
 __all__ = ["fwd_impl", "varlen_fwd_impl", "kvcache_fwd_impl", "check_no_grad"]
 
@@ -115,14 +115,24 @@ _OP_CALLS = CallCache()
 
 def _cached(name: str, tensors: tuple, scalars: tuple, run):
     """``run()`` (the op's implementation on ``tensors`` and ``scalars``) through the op-level
-    call cache: replayed when a call of the same layouts and scalars ran before (CUDA only)."""
+    call cache: replayed when a call of the same layouts and scalars ran before (CUDA only).
+
+    A recent call of the same scalars is found by its guard (``CallCache.quick``: one C++ check
+    of the layouts) before the key is built. Replays here keep no temporaries between calls
+    (``reuse_scratch=False``): a compiled model's calls may run while ``torch.compile``'s CUDA
+    graphs allocate from their own pool, which must hold no buffer of ours afterwards."""
     if not tensors[0].is_cuda:
         return run()
-    key = (name, layouts(tensors), scalars, tuple(map(type, scalars)), torch.cuda.is_current_stream_capturing())
-    replay = _OP_CALLS.get(key)
+    capturing = stream_capturing()
+    probe = (name, scalars, tuple(map(type, scalars)), capturing)
+    results = _OP_CALLS.quick(probe, tensors, capturing, reuse_scratch=False)
+    if results is not None:
+        return results
+    key = (name, layouts(tensors), scalars, tuple(map(type, scalars)), capturing)
+    replay = _OP_CALLS.get_noted(key, probe, tensors)
     if replay is not None:
         return replay.run(tensors)
-    return _OP_CALLS.run(key, tensors, run)
+    return _OP_CALLS.run(key, tensors, run, probe=probe)
 
 
 @torch.library.custom_op("flashkernel::fwd", mutates_args=())
