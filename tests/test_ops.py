@@ -1029,3 +1029,33 @@ def test_an_argument_that_is_not_a_tensor_gets_its_error_on_the_eager_path_under
         else:
             cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
             flashkernel.flash_attn_varlen_func(q[0], k_cache[0].tolist(), v_cache[0], cu, cu, q.shape[1], q.shape[1])
+
+
+@pytest.mark.gpu
+def test_repeated_op_calls_are_served_by_their_guard_and_keep_no_temporaries_gpu(monkeypatch):
+    """The registered cache op called again with the same scalars and layouts (as a compiled
+    model's layers call it) is served by a recent call's guard, without building its key, with
+    the full path's results bit for bit; no replay of the op keeps temporaries between calls (a
+    compiled model's calls may allocate from a CUDA-graph pool). Another layout or scalar is no
+    stale replay."""
+    ops._OP_CALLS.clear()
+    args = {}
+    for split in (1, 4):  # one launch; a split step (merged in the kernel: zeroed counters)
+        q, k_cache, v_cache, k, v, seqlens = _cache_inputs(2, 256, 2, 8, 64, torch.float16, 1, (100, 200))
+        args[split] = (q, k_cache, v_cache, k, v, seqlens, None, None, None, None, None, None, True, 0.125, -1, -1,
+                       0.0, split, True, "auto")
+        want = torch.ops.flashkernel.kvcache_fwd(*args[split])  # the full path, recorded
+        built = []
+        monkeypatch.setattr(ops, "layouts", lambda tensors: built.append(1) or _launch.layouts(tensors))
+        for _ in range(3):
+            got = torch.ops.flashkernel.kvcache_fwd(*args[split])
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert not built  # every repeat found by its guard
+        monkeypatch.undo()
+    for replay in ops._OP_CALLS._replays.values():
+        assert replay and replay._scratch_by_stream == {}
+    q, k_cache, v_cache, k, v, seqlens, *rest = args[4]
+    for changed in ((q[:, :, :4], k_cache[:, :, :1], v_cache[:, :, :1], k[:, :, :1], v[:, :, :1], seqlens, *rest),
+                    (q, k_cache, v_cache, k, v, seqlens, *rest[:7], 0.5, *rest[8:])):  # softmax_scale 0.5
+        want = ops.kvcache_fwd_impl(*changed)  # validated inputs: the implementation, nothing recorded
+        assert all(torch.equal(g, w) for g, w in zip(torch.ops.flashkernel.kvcache_fwd(*changed), want))

@@ -955,16 +955,18 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
     of programs (the batch alone fills the GPU) get, when the programs are short (or the pages
     small), a config that fits three programs per SM.
 
-    Over a 1-byte cache at head dim 128 (``kv_scale`` 1: scales per tensor or KV head, 2: per
-    token, :func:`scale_args`) that last config, a bf16 tile of 32 keys, never applies: with
-    scales per tensor or head, contiguous or in small pages, a grid that the table's 128-key
-    tiles cannot hold at once (three programs per SM) but 64-key tiles can (five) gets the
-    64-key tiles; every other grid keeps the table's tiles, and with per-token scales short
-    splits keep them too (:func:`whole_tiles`). Measured (graph replays, 32 / 8
-    heads): batch 64 x 1k and 4k ran 1.3 waves of 128-key tiles, the last one mostly idle, and
-    64-key tiles were 10-20% faster there; per-token scales pay a fixed cost per tile (the
-    scale loads, the tile's largest V scale), so 32- and 64-key tiles took 1.2-1.5x the time of
-    128-key ones at batch 32-128 (``kvquant-multiwave-sweep.json``)."""
+    Over a 1-byte cache at head dims padded to 128 (72-128; ``kv_scale`` 1: scales per tensor
+    or KV head, 2: per token, :func:`scale_args`) that last config, a bf16 tile of 32 keys,
+    never applies: with scales per tensor or head, contiguous or in small pages, a grid that the
+    table's 128-key tiles cannot hold at once (three programs per SM) but 64-key tiles can
+    (five) gets the 64-key tiles; every other grid keeps the table's tiles (short splits aside,
+    which per-token scales keep too: :func:`whole_tiles`). Measured at head dim 128 (graph
+    replays, 32 / 8 heads): batch 64 x 1k and 4k ran 1.3 waves of 128-key tiles, the last one
+    mostly idle, and 64-key tiles were 10-20% faster there; per-token scales pay a fixed cost
+    per tile (the scale loads, the tile's largest V scale), so 32- and 64-key tiles took
+    1.16-1.94x the time of 128-key ones at batch 32-128 (``kvquant-multiwave-sweep.json``);
+    128-key tiles beat 32-key ones at batch 48 x 1k, 128 x 1k and 256 x 4k with either scale
+    (``kvquant-largegrid-sweep.json``)."""
     tuned = tuned or tuning.decode_tuning(None)
     if padded_head_dim(head_dim) > 128:
         return config
@@ -985,10 +987,10 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
 
 def whole_tiles(kv_scale: int, head_dim: int) -> bool:
     """Whether short splits keep the table's tiles (and read at least one whole tile each): over a
-    1-byte cache with per-token scales (``kv_scale`` 2) at head dim 128, which pay per tile for
-    their scales. Measured (graph replays, 32 / 8 heads): batch 1 x 4k 11.1 against 12.2 us
-    contiguous and 11.8 against 14.1 over pages of 16, batch 8 x 1k 14.2 against 15.3; batch 1 x
-    1k over pages of 16 9.4 against 9.1 us (docs/perf-notes.md)."""
+    1-byte cache with per-token scales (``kv_scale`` 2) at head dims padded to 128, which pay per
+    tile for their scales. Measured at head dim 128 (graph replays, 32 / 8 heads, fp8): batch 1
+    x 4k 11.1 against 12.2 us contiguous and 11.8 against 14.1 over pages of 16, batch 8 x 1k
+    14.2 against 15.3; batch 1 x 1k over pages of 16 9.4 against 9.1 us (docs/perf-notes.md)."""
     return kv_scale == 2 and padded_head_dim(head_dim) == 128
 
 
