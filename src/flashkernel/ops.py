@@ -124,11 +124,12 @@ def _cached(name: str, tensors: tuple, scalars: tuple, run):
     if not tensors[0].is_cuda:
         return run()
     capturing = stream_capturing()
-    probe = (name, scalars, tuple(map(type, scalars)), capturing)
+    types = tuple(map(type, scalars))
+    probe = (name, scalars, types, capturing)
     results = _OP_CALLS.quick(probe, tensors, capturing, reuse_scratch=False)
     if results is not None:
         return results
-    key = (name, layouts(tensors), scalars, tuple(map(type, scalars)), capturing)
+    key = (name, layouts(tensors), scalars, types, capturing)
     replay = _OP_CALLS.get_noted(key, probe, tensors)
     if replay is not None:
         return replay.run(tensors)

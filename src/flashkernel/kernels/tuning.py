@@ -247,8 +247,8 @@ class DecodeTuning:
     and V merge their splits in the decode kernel (``decode.merges_in_kernel``); splits of at
     most ``short_split_tokens`` keys use ``short_block_n``-key tiles; grids of more than a wave
     whose programs read at most ``multi_wave_max_tokens`` keys (or read small pages) use
-    ``multi_wave_config``, except over 1-byte caches at head dims padded to 128, where grids of more than
-    ``quantized_resident_programs_per_sm`` and at most
+    ``multi_wave_config``, except over 1-byte caches at head dims padded to 128, where grids of
+    more than ``quantized_resident_programs_per_sm`` and at most
     ``quantized_multi_wave_resident_programs_per_sm`` programs per SM use
     ``quantized_multi_wave_config`` (scales per tensor or head, contiguous or small pages) and
     every other grid keeps the quantized table's tiles (short splits aside). Gluon:
