@@ -660,32 +660,49 @@ def test_checked_runs_of_a_replay_keep_temporaries_per_stream_and_allocate_only_
                                                            out.data_ptr()]
 
 
-def test_checked_runs_without_kept_temporaries_allocate_them_per_run(stub_native, monkeypatch):
-    """What the registered ops' replays do (``ops._cached``: ``CallCache.quick(...,
-    reuse_scratch=False)``): through the C launcher (stub driver) and through the Python path,
-    every run allocates its temporary and its output anew and the replay keeps none, so nothing
-    of ours outlives a call made while ``torch.compile``'s CUDA graphs allocate from their pool."""
+def test_kept_temporaries_are_made_on_a_helper_thread_on_the_runs_stream(stub_native, monkeypatch):
+    """A replay's temporaries kept per stream (the eager calls', the plans' and the registered
+    ops' replays: ``CallCache.quick``) are made once per stream on a helper thread
+    (``allocated_off_thread``), never on the calling thread, whose allocations PyTorch may be
+    routing to a CUDA-graph pool (``torch.compile``'s, while it warms up); zeroed ones come zeroed.
+    Through the C launcher (stub driver) and through the Python path; an error on the helper
+    thread is raised in the caller's."""
+    import threading
+
     native, stub = stub_native
     replay, streams, allocated, (q, k, held), guard = _counted_stub_replay(monkeypatch, native, stub)
-    count = stub.stub_launches()
-    for _ in range(3):
-        (out,) = guard.run(replay, (torch.randn(2, 8), k, None), (held,), reuse_scratch=False)
-        assert out.shape == (2, 3) and [stub.stub_param(i) - 8 for i in (2, 4)] == [held.data_ptr(), out.data_ptr()]
-    assert stub.stub_launches() == count + 3 and allocated == [(4,), (2, 3)] * 3
-    assert replay._scratch_by_stream == {}
-    # CallCache.quick passes the choice on (no fixed tensors: a replay of the three inputs alone).
-    replay3, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4])  # q, k, temp, out
+    cpu = torch.device("cpu")
+    replay.allocations = (((4,), torch.int32, cpu, True, (1,)), replay.allocations[1])
+    made_on, off_thread = [], _launch.allocated_off_thread
+
+    def noting(stream, device, make):
+        return off_thread(stream, device, lambda: made_on.append((threading.current_thread(), stream)) or make())
+
+    monkeypatch.setattr(_launch, "allocated_off_thread", noting)
+    temps = []
+    for stream in (7, 7, 8, 7):
+        streams.append(stream)
+        (out,) = guard.run(replay, (torch.randn(2, 8), k, None), (held,))
+        assert stub.stub_param(4) - 8 == out.data_ptr()
+        temps.append(stub.stub_param(3) - 8)
+    assert temps[0] == temps[1] == temps[3] != temps[2]
+    assert [s for _, s in made_on] == [7, 8] and threading.current_thread() not in [t for t, _ in made_on]
+    assert sorted(replay._scratch_by_stream) == [7, 8] and not replay._scratch_by_stream[7][0].any()
+    assert allocated == [(4,), (2, 3), (2, 3), (4,), (2, 3), (2, 3)]  # the temporary once per stream
+    # CallCache.quick (the registered ops' first look-up) keeps them alike.
+    replay3, streams = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4])  # q, k, temp, out; stream 7
     calls = _launch.CallCache()
     calls._recent = [("probe", guard, replay3)]
-    allocated.clear()
-    (out,) = calls.quick("probe", (q, k, None), reuse_scratch=False)
-    assert allocated == [(4,), (2, 3)] and replay3._scratch_by_stream == {}
     calls.quick("probe", (q, k, None))
-    assert list(replay3._scratch_by_stream) == [streams[-1]]  # the default keeps them, per stream
+    assert list(replay3._scratch_by_stream) == [7] and made_on[-1][1] == 7 and len(made_on) == 3
     # The Python path (no C checks) alike.
     monkeypatch.setattr(_launch._native, "checking_module", lambda: None)
-    python_guard = _launch.LayoutGuard.make((q, k, None))
-    replay4, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4, 5])
-    allocated.clear()
-    python_guard.run(replay4, (q, k, None), (held,), reuse_scratch=False)
-    assert allocated == [(4,), (2, 3)] and replay4._scratch_by_stream == {}
+    streams.append(9)
+    _launch.LayoutGuard.make((q, k, None)).run(replay, (q, k, None), (held,))
+    assert [s for _, s in made_on] == [7, 8, 7, 9]
+    assert stub.stub_param(3) - 8 == replay._scratch_by_stream[9][0].data_ptr()
+    # What goes wrong on the helper thread is raised here.
+    monkeypatch.setattr(_launch, "_fresh", lambda *args: (_ for _ in ()).throw(MemoryError("no room")))
+    streams.append(10)
+    with pytest.raises(MemoryError, match="no room"):
+        guard.run(replay, (q, k, None), (held,))

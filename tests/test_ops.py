@@ -412,9 +412,14 @@ def test_replay_on_another_device_or_stream_gpu():
 
 
 @pytest.mark.gpu
-def test_compiled_decode_loop_with_cuda_graphs_replays_as_lengths_grow_gpu():
+@pytest.mark.parametrize("capacity, lengths", [(256, (5, 100)), (2048, (700, 1500))])
+def test_compiled_decode_loop_with_cuda_graphs_replays_as_lengths_grow_gpu(capacity, lengths):
+    """Under ``mode="reduce-overhead"``; the second case's eager warm-up steps split the keys and
+    merge the splits in the decode kernel, with temporaries kept per stream, which must not come
+    from the CUDA graphs' pool (Inductor's ``slow_path_cudagraph_asserts``, on by default, checks
+    the pool after warm-up)."""
     torch._dynamo.reset()
-    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(2, 256, 8, 32, 128, torch.bfloat16, 1, (5, 100))
+    q, k_cache, v_cache, k, v, seqlens = _cache_inputs(2, capacity, 8, 32, 128, torch.bfloat16, 1, lengths)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     refs = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     model = _Decoder([c[0] for c in caches], [c[1] for c in caches])
@@ -1032,12 +1037,10 @@ def test_an_argument_that_is_not_a_tensor_gets_its_error_on_the_eager_path_under
 
 
 @pytest.mark.gpu
-def test_repeated_op_calls_are_served_by_their_guard_and_keep_no_temporaries_gpu(monkeypatch):
+def test_repeated_op_calls_are_served_by_their_guard_gpu(monkeypatch):
     """The registered cache op called again with the same scalars and layouts (as a compiled
     model's layers call it) is served by a recent call's guard, without building its key, with
-    the full path's results bit for bit; no replay of the op keeps temporaries between calls (a
-    compiled model's calls may allocate from a CUDA-graph pool). Another layout or scalar is no
-    stale replay."""
+    the full path's results bit for bit. Another layout or scalar is no stale replay."""
     ops._OP_CALLS.clear()
     args = {}
     for split in (1, 4):  # one launch; a split step (merged in the kernel: zeroed counters)
@@ -1052,10 +1055,41 @@ def test_repeated_op_calls_are_served_by_their_guard_and_keep_no_temporaries_gpu
             assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert not built  # every repeat found by its guard
         monkeypatch.undo()
-    for replay in ops._OP_CALLS._replays.values():
-        assert replay and replay._scratch_by_stream == {}
     q, k_cache, v_cache, k, v, seqlens, *rest = args[4]
     for changed in ((q[:, :, :4], k_cache[:, :, :1], v_cache[:, :, :1], k[:, :, :1], v[:, :, :1], seqlens, *rest),
                     (q, k_cache, v_cache, k, v, seqlens, *rest[:7], 0.5, *rest[8:])):  # softmax_scale 0.5
         want = ops.kvcache_fwd_impl(*changed)  # validated inputs: the implementation, nothing recorded
         assert all(torch.equal(g, w) for g, w in zip(torch.ops.flashkernel.kvcache_fwd(*changed), want))
+
+
+@pytest.mark.gpu
+def test_op_calls_under_a_memory_pool_keep_their_temporaries_outside_it_gpu():
+    """Cache op calls made while the calling thread's allocations go to a private pool (as while
+    ``torch.compile``'s CUDA graphs warm up) keep their replays' temporaries per stream, as eager
+    calls do, but made outside the pool (``_launch.allocated_off_thread``); the merge counters of a
+    split step merged in the kernel are left at zero, and results equal the unrecorded
+    implementation's bit for bit on both streams."""
+    ops._OP_CALLS.clear()
+    q, k_cache, v_cache, _, _, seqlens = _cache_inputs(2, 256, 2, 8, 64, torch.float16, 1, (100, 200))
+    args = (q, k_cache, v_cache, None, None, seqlens, None, None, None, None, None, None, True, 0.125, -1, -1,
+            0.0, 4, True, "auto")
+    want = ops.kvcache_fwd_impl(*args)  # nothing recorded
+    pool, side = torch.cuda.MemPool(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.use_mem_pool(pool):
+        for stream in (torch.cuda.current_stream(), side):
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    got = torch.ops.flashkernel.kvcache_fwd(*args)
+                    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    torch.cuda.synchronize()
+    del got
+    kept = [kept for replay in ops._OP_CALLS._replays.values() for kept in replay._scratch_by_stream.values()]
+    assert len(kept) == 2  # one replay, its temporaries on each stream
+    segments = [(s["address"], s["total_size"]) for s in pool.snapshot() if s["total_size"]]
+    assert segments  # the outputs did come from the pool
+    temporaries = [t for buffers in kept for t in buffers if t is not None]
+    assert any(t.dtype == torch.int32 for t in temporaries)  # the merge's counters
+    for t in temporaries:
+        assert not any(start <= t.data_ptr() < start + size for start, size in segments)
+        assert t.dtype != torch.int32 or not t.any()

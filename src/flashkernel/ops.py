@@ -118,21 +118,22 @@ def _cached(name: str, tensors: tuple, scalars: tuple, run):
     call cache: replayed when a call of the same layouts and scalars ran before (CUDA only).
 
     A recent call of the same scalars is found by its guard (``CallCache.quick``: one C++ check
-    of the layouts) before the key is built. Replays here keep no temporaries between calls
-    (``reuse_scratch=False``): a compiled model's calls may run while ``torch.compile``'s CUDA
-    graphs allocate from their own pool, which must hold no buffer of ours afterwards."""
+    of the layouts) before the key is built. Replays keep their temporaries per stream as the
+    eager calls' do, though a compiled model's calls may run while ``torch.compile``'s CUDA graphs
+    route this thread's allocations to their own pool, which must hold no buffer of ours
+    afterwards: kept temporaries are made on another thread (``_launch.allocated_off_thread``)."""
     if not tensors[0].is_cuda:
         return run()
     capturing = stream_capturing()
     types = tuple(map(type, scalars))
     probe = (name, scalars, types, capturing)
-    results = _OP_CALLS.quick(probe, tensors, capturing, reuse_scratch=False)
+    results = _OP_CALLS.quick(probe, tensors, capturing)
     if results is not None:
         return results
     key = (name, layouts(tensors), scalars, types, capturing)
     replay = _OP_CALLS.get_noted(key, probe, tensors)
     if replay is not None:
-        return replay.run(tensors)
+        return replay.run(tensors, reuse_scratch=True, capturing=capturing)
     return _OP_CALLS.run(key, tensors, run, probe=probe)
 
 

@@ -33,7 +33,9 @@ prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256, seqlen 512/1
 not; and host-bound short prompts (``prefill-short`` rows: batch 1, 32 query / 8 KV heads of
 128, causal, seqlen 128 and 512). ``--sections compiled``: a 32-layer attention-only decode loop
 (append + attend per layer, B=1 and 8, context 1k) as eager calls, under ``torch.compile`` and
-under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step. ``--sections
+under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step; ``--sections op``:
+host time per call of the registered cache op, which such a compiled model calls per layer,
+against the eager function on the same step (:func:`op_rows`). ``--sections
 growing``: transformers' dynamic cache, a new ``[B, Hkv, S, D]`` cache one key longer every step
 (passed transposed, with per-sequence lengths and key starts as transformers' integration passes
 them), 4 layers per step, batch 1 and 8 from a 2k context: host time of each step's first call
@@ -388,6 +390,42 @@ def compiled_rows(label: str) -> list[dict]:
     return rows
 
 
+def op_rows(label: str) -> list[dict]:
+    """Host time per call of the registered cache op (``torch.ops.flashkernel.kvcache_fwd``: what
+    a model compiled without CUDA graphs calls per layer) against the eager function on the same
+    step (batch 1 and 8, context 1k, appending one token, as a compiled layer's call does), in
+    :data:`PAIRED_ROUNDS` alternating rounds: medians, and the median of the rounds' ratios."""
+    rows = []
+    for batch in (1, 8):
+        q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k_cache, v_cache = (torch.randn(batch, 1040, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(2))
+        k, v = (torch.randn(batch, 1, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        seqlens = torch.full((batch,), 1024, dtype=torch.int32, device="cuda")
+        calls = {
+            "flashkernel": lambda: flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                                                      cache_seqlens=seqlens, causal=True),
+            "flashkernel_op": lambda: torch.ops.flashkernel.kvcache_fwd(
+                q, k_cache, v_cache, k, v, seqlens, None, None, None, None, None, None, True, HEAD_DIM ** -0.5, -1, -1,
+                0.0, 0, False, "auto"),
+        }
+        for call in calls.values():
+            for _ in range(5):
+                call()
+        samples = {name: [] for name in calls}
+        for _ in range(PAIRED_ROUNDS):
+            for name, call in calls.items():
+                samples[name].append(loop_us(call, synchronize=False, repeats=1))
+        ratio = statistics.median([o / e for o, e in zip(samples["flashkernel_op"], samples["flashkernel"])])
+        for name in calls:
+            row = dict(workload="op", label=label, provider=name, batch=batch, context=1024,
+                       host_us=statistics.median(samples[name]), host_vs_eager=1.0 if name == "flashkernel" else ratio)
+            print(f"op b={batch} {name:16s} host {row['host_us']:7.1f} us  vs eager {row['host_vs_eager']:5.2f}",
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
 # ---- a cache that grows every step -----------------------------------------------------------
 
 
@@ -442,14 +480,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--label", default="current", help="name of this build in the results")
-    parser.add_argument("--sections", nargs="+", default=["decode", "append", "prefill", "compiled", "growing"],
-                        choices=("decode", "append", "append-backends", "prefill", "compiled", "growing"))
+    parser.add_argument("--sections", nargs="+", default=["decode", "append", "prefill", "op", "compiled", "growing"],
+                        choices=("decode", "append", "append-backends", "prefill", "op", "compiled", "growing"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for section in args.sections:
         rows += {"decode": decode_rows, "append": append_rows, "append-backends": append_backend_rows,
-                 "prefill": prefill_rows, "compiled": compiled_rows, "growing": growing_rows}[section](args.label)
+                 "prefill": prefill_rows, "op": op_rows, "compiled": compiled_rows,
+                 "growing": growing_rows}[section](args.label)
     doc = dict(command=" ".join(sys.argv), label=args.label, gpu=torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                flashkernel_path=flashkernel.__file__, time=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows)

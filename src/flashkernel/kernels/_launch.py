@@ -138,6 +138,39 @@ def _fresh(shape, dtype: torch.dtype, device, zeroed: bool, strides=None) -> tor
     return empty(shape, dtype, device)
 
 
+def allocated_off_thread(stream: int, device, make):
+    """``make()``, run on a helper thread with ``device`` and the raw CUDA ``stream`` current, for
+    buffers kept past the call that makes them (a replay's temporaries per stream).
+
+    Why another thread: ``torch.compile``'s CUDA graphs route the calling thread's allocations to
+    their private pool while they warm up (a registered op's calls run then), and that pool must
+    hold no buffer of ours afterwards; PyTorch routes allocations to such a pool per thread, so a
+    helper thread's come from its ordinary cache. On ``stream`` (as an external stream), the
+    buffers belong to that stream as if made on it, and a zero fill is ordered before its
+    kernels. Other devices: ``make()`` runs on the helper thread as it is."""
+    made = []
+
+    def run():
+        try:
+            if device.type != "cuda":
+                made.append(make())
+                return
+            with torch.cuda.device(device):
+                current = torch.cuda.current_stream()  # a new thread's: the device's default stream
+                same = current.cuda_stream == stream
+                with torch.cuda.stream(current if same else torch.cuda.ExternalStream(stream, device=device)):
+                    made.append(make())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
+            made.append(exc)
+
+    helper = threading.Thread(target=run, name="flashkernel-kept-buffers")
+    helper.start()
+    helper.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
 _default_empty = empty  # replaced (tests poison outputs): every buffer then goes through the replacement
 try:  # what Inductor's generated code allocates with; absent from some builds
     from torch._C._dynamo.guards import _empty_strided_cuda
@@ -254,7 +287,7 @@ class Replay:
                                  for i, t in enumerate(rec.allocations))
         self.num_inputs = len(inputs)
         # Temporaries (allocations that are not outputs, e.g. split-KV partials): reusable per
-        # stream by eager callers (``run(..., reuse_scratch=True)``), one run at a time. Zeroed
+        # stream by callers that ask (``run(..., reuse_scratch=True)``), one run at a time. Zeroed
         # ones are zeroed when allocated: the kernels that use them leave them at zero.
         self._scratch_by_stream: dict[int, list] = {}
         self._scratch_lock = threading.Lock()
@@ -363,9 +396,9 @@ class Replay:
         ``reuse_scratch``: keep the temporaries per stream and reuse them in the next run on that
         stream, instead of allocating them per run. Safe for eager calls: the kernels of one
         stream run in order, so a run's temporaries are free once its last kernel has read them
-        (runs from several threads are issued one after another).
-        Not for CUDA-graph capture (checked here) or graph-pool allocation (the caller's to know:
-        ``torch.compile``'s CUDA graphs want no buffer of theirs kept alive).
+        (runs from several threads are issued one after another). Under CUDA-graph capture
+        (checked here) the temporaries are new; kept ones are made on a helper thread
+        (:func:`allocated_off_thread`), so none comes from a pool the calling thread allocates from.
         """
         if _current_device() != self.device:
             with torch.cuda.device(self.device):  # the capture state asked again: that device's stream's
@@ -379,33 +412,26 @@ class Replay:
                 return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
         return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
 
-    def run_checked(self, guard, tensors, fixed=(), capturing=None, out=None, reuse_scratch: bool = True):
-        """:meth:`run` on ``(*tensors, *fixed)`` with ``reuse_scratch`` (and ``outputs=(out,)``
+    def run_checked(self, guard, tensors, fixed=(), capturing=None, out=None):
+        """:meth:`run` on ``(*tensors, *fixed)`` with ``reuse_scratch=True`` (and ``outputs=(out,)``
         when ``out`` is given), where the C launcher first checks ``tensors`` (and ``out``) with
         ``guard`` (a :meth:`LayoutGuard.native_form`) and reads every address itself: None when the
         guard does not vouch for them (nothing allocated or launched). For replays through the C
         launcher (``native`` not None)."""
         if _current_device() != self.device:
             with torch.cuda.device(self.device):  # the capture state asked again: that device's stream's
-                return self.run_checked(guard, tensors, fixed, None, out, reuse_scratch)
-        if not reuse_scratch:
-            return self._launch_checked(guard, tensors, fixed, capturing, out, self._fresh_buffers)
+                return self.run_checked(guard, tensors, fixed, None, out)
         if self.scratch:  # one run's launches at a time per stream's temporaries: see run()
             with self._scratch_lock:
-                return self._launch_checked(guard, tensors, fixed, capturing, out, self._buffers)
-        return self._launch_checked(guard, tensors, fixed, capturing, out, self._buffers)
+                return self._launch_checked(guard, tensors, fixed, capturing, out)
+        return self._launch_checked(guard, tensors, fixed, capturing, out)
 
-    def _launch_checked(self, guard, tensors, fixed, capturing, out, buffers_for):
-        allocated = _native.module().checked_run(guard, tensors, fixed, buffers_for, _raw_stream(self.device),
+    def _launch_checked(self, guard, tensors, fixed, capturing, out):
+        allocated = _native.module().checked_run(guard, tensors, fixed, self._buffers, _raw_stream(self.device),
                                                  capturing, self.native, self._storages, out)
         if allocated is None:
             return None
         return tuple([None if j is None else allocated[j] for j in self.outputs])
-
-    def _fresh_buffers(self, stream: int, capturing, out=None) -> list:
-        """:meth:`_buffers` with new temporaries, none kept (what a checked run without
-        ``reuse_scratch`` asks the C call for)."""
-        return self._buffers(stream, capturing, out, reuse_scratch=False)
 
     def _buffers(self, stream: int, capturing, out=None, reuse_scratch: bool = True, given=()) -> list:
         """The run's buffers, one per recorded allocation: the temporaries kept for ``stream`` (with
@@ -424,11 +450,14 @@ class Replay:
         return allocated
 
     def _kept(self, stream: int) -> list:
-        """The temporaries kept for ``stream`` (made on its first run), None for the outputs."""
+        """The temporaries kept for ``stream`` (made on its first run, by
+        :func:`allocated_off_thread`), None for the outputs."""
         kept = self._scratch_by_stream.get(stream)
         if kept is None:
-            kept = self._scratch_by_stream[stream] = [None if i in self.outputs else _fresh(*allocation)
-                                                      for i, allocation in enumerate(self.allocations)]
+            kept = self._scratch_by_stream[stream] = allocated_off_thread(
+                stream, self.allocations[0][2],
+                lambda: [None if i in self.outputs else _fresh(*allocation)
+                         for i, allocation in enumerate(self.allocations)])
         return kept
 
     def _launch(self, inputs, reuse_scratch: bool, outputs, addresses, capturing):
@@ -587,24 +616,24 @@ class LayoutGuard:
         return _native.make_guard(self._check, self._alignments, self._checked, self._same,
                                   self._distinct - (None in self._alignments), output)
 
-    def run(self, replay: Replay, tensors, fixed=(), capturing=None, reuse_scratch: bool = True):
-        """``replay.run((*tensors, *fixed), reuse_scratch=reuse_scratch)`` when ``tensors`` have the
-        examples' layouts (as :meth:`addresses` says), else None (nothing launched). Where the
-        replay runs through the C launcher, the check, the addresses (of ``fixed`` too: dense
-        tensors the caller has validated, or None) and the launches are one call into it
+    def run(self, replay: Replay, tensors, fixed=(), capturing=None):
+        """``replay.run((*tensors, *fixed), reuse_scratch=True)`` when ``tensors`` have the examples'
+        layouts (as :meth:`addresses` says), else None (nothing launched). Where the replay runs
+        through the C launcher, the check, the addresses (of ``fixed`` too: dense tensors the
+        caller has validated, or None) and the launches are one call into it
         (:meth:`Replay.run_checked`)."""
         if replay.native is not None:
             native = self._native
             if native is False:
                 native = self._native = self.native_form()
             if native is not None:
-                return replay.run_checked(native, tensors, fixed, capturing, reuse_scratch=reuse_scratch)
+                return replay.run_checked(native, tensors, fixed, capturing)
         addresses = self.addresses(tensors)
         if addresses is None:
             return None
         if fixed:
             addresses += [None if x is None else x.data_ptr() for x in fixed]
-        return replay.run((*tensors, *fixed), reuse_scratch=reuse_scratch, addresses=addresses, capturing=capturing)
+        return replay.run((*tensors, *fixed), reuse_scratch=True, addresses=addresses, capturing=capturing)
 
 
 try:
@@ -653,11 +682,10 @@ class CallCache:
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
-    def quick(self, probe, inputs, capturing=None, reuse_scratch: bool = True):
+    def quick(self, probe, inputs, capturing=None):
         """The outputs of a recent replay filed with ``probe`` (the caller's key without the tensors'
         layouts, e.g. its name and scalar arguments) whose inputs had the layouts of ``inputs``
-        (:class:`LayoutGuard`), run on ``inputs`` (keeping its temporaries per stream with
-        ``reuse_scratch``, see :meth:`Replay.run`); None when there is none. What a caller that
+        (:class:`LayoutGuard`), run on ``inputs``; None when there is none. What a caller that
         makes the same few calls over and over (a model's layers) finds without building its key:
         :func:`layouts` of every tensor and the key's hash cost more than this look-up."""
         for filed, guard, replay in self._recent:
@@ -666,7 +694,7 @@ class CallCache:
             except Exception:  # noqa: BLE001 - an argument that is no scalar (an array): validation names it
                 return None
             if same:
-                results = guard.run(replay, inputs, capturing=capturing, reuse_scratch=reuse_scratch)
+                results = guard.run(replay, inputs, capturing=capturing)
                 if results is not None:
                     return results
         return None
