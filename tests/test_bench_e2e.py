@@ -50,6 +50,7 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     assert {("batching", "paged|fk_attention"), ("batching", "paged|sdpa")} <= sections
     by_key = {(r["section"], r["case"], r["provider"]): r for r in rows}
     greedy = [r for r in rows if "identical_tokens" in r]
+    assert {r["provider"] for r in greedy} == {"fk_attention", "sdpa", "eager"}  # eager: a second exact one
     assert {r["identical_tokens"] for r in greedy} == {3}  # float32: the same tokens as sdpa
     assert {r["fp32_identical_tokens"] for r in greedy} == {3}
     assert all(r["max_tie_gap"] < 1e-3 for r in greedy)  # every token float32's own argmax

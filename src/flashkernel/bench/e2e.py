@@ -20,7 +20,8 @@ Sections (each measured after a warm-up that compiles what it needs):
   implementation that computes the model exactly: ``sdpa``, ``eager`` for Gemma 2 and gpt-oss);
   greedy tokens of an unpadded prompt: where they first differ from the baseline's, in the
   model's dtype and with the model in float32, and how far each token is from the float32
-  model's choice (random weights give flat logits, whose near-ties bf16 rounding flips).
+  model's choice (random weights give flat logits, whose near-ties bf16 rounding flips);
+  transformers' ``eager`` attention is compared with the baseline as well.
 * ``prefill``: one forward of batch 1 x 8k tokens (logits of the last token only), ms.
 * ``generate``: ``model.generate`` at batch 1 and 8, 2k-token prompts, 256 new tokens (greedy,
   no stop token), tokens/s over the whole call (median); eager with the dynamic cache (the
@@ -208,11 +209,13 @@ def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
     flat logits, so bf16 rounding flips near-ties: ``identical_tokens`` counts the tokens before the
     first difference); each token's :func:`tie_gaps` against the float32 model (``max_tie_gap``,
     in logit units, beside the baseline's logit error ``noise``); and the same model in float32,
-    where there are no bf16 ties, against the baseline in float32 (``fp32_identical_tokens``)."""
+    where there are no bf16 ties, against the baseline in float32 (``fp32_identical_tokens``).
+    transformers' ``eager`` attention is compared too where the baseline is another: two exact
+    implementations of transformers' own, whose greedy tokens part where bf16 rounding flips ties."""
     import torch
 
     baseline = exact_baseline(model)
-    providers = list(dict.fromkeys([*providers, baseline]))
+    providers = list(dict.fromkeys([*providers, baseline, "eager"]))
     rows = []
     ids, mask = random_prompts(model, 2, plan.accuracy_prompt, generator)
     mask[0, : plan.accuracy_prompt // 4] = 0  # sequence 0 is left-padded
