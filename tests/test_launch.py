@@ -660,6 +660,37 @@ def test_checked_runs_of_a_replay_keep_temporaries_per_stream_and_allocate_only_
                                                            out.data_ptr()]
 
 
+def test_checked_runs_without_kept_temporaries_allocate_them_per_run(stub_native, monkeypatch):
+    """What the registered ops' replays but the cache op's do (``ops._cached``:
+    ``CallCache.quick(..., reuse_scratch=False)``; the backward's temporaries are large): through
+    the C launcher (stub driver) and through the Python path, every run allocates its temporary
+    and its output anew and the replay keeps none."""
+    native, stub = stub_native
+    replay, streams, allocated, (q, k, held), guard = _counted_stub_replay(monkeypatch, native, stub)
+    count = stub.stub_launches()
+    for _ in range(3):
+        (out,) = guard.run(replay, (torch.randn(2, 8), k, None), (held,), reuse_scratch=False)
+        assert out.shape == (2, 3) and [stub.stub_param(i) - 8 for i in (2, 4)] == [held.data_ptr(), out.data_ptr()]
+    assert stub.stub_launches() == count + 3 and allocated == [(4,), (2, 3)] * 3
+    assert replay._scratch_by_stream == {}
+    # CallCache.quick passes the choice on (no fixed tensors: a replay of the three inputs alone).
+    replay3, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4])  # q, k, temp, out
+    calls = _launch.CallCache()
+    calls._recent = [("probe", guard, replay3)]
+    allocated.clear()
+    (out,) = calls.quick("probe", (q, k, None), reuse_scratch=False)
+    assert allocated == [(4,), (2, 3)] and replay3._scratch_by_stream == {}
+    calls.quick("probe", (q, k, None))
+    assert list(replay3._scratch_by_stream) == [streams[-1]]  # the default keeps them, per stream
+    # The Python path (no C checks) alike.
+    monkeypatch.setattr(_launch._native, "checking_module", lambda: None)
+    python_guard = _launch.LayoutGuard.make((q, k, None))
+    replay4, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4, 5])
+    allocated.clear()
+    python_guard.run(replay4, (q, k, None), (held,), reuse_scratch=False)
+    assert allocated == [(4,), (2, 3)] and replay4._scratch_by_stream == {}
+
+
 def test_kept_temporaries_are_made_on_a_helper_thread_on_the_runs_stream(stub_native, monkeypatch):
     """A replay's temporaries kept per stream (the eager calls', the plans' and the registered
     ops' replays: ``CallCache.quick``) are made once per stream on a helper thread

@@ -413,12 +413,16 @@ def test_replay_on_another_device_or_stream_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("capacity, lengths", [(256, (5, 100)), (2048, (700, 1500))])
-def test_compiled_decode_loop_with_cuda_graphs_replays_as_lengths_grow_gpu(capacity, lengths):
+def test_compiled_decode_loop_with_cuda_graphs_replays_as_lengths_grow_gpu(capacity, lengths, monkeypatch):
     """Under ``mode="reduce-overhead"``; the second case's eager warm-up steps split the keys and
     merge the splits in the decode kernel, with temporaries kept per stream, which must not come
-    from the CUDA graphs' pool (Inductor's ``slow_path_cudagraph_asserts``, on by default, checks
-    the pool after warm-up)."""
+    from the CUDA graphs' pool (Inductor's ``slow_path_cudagraph_asserts`` checks the pool after
+    warm-up: with the temporaries made on the calling thread it raises "Detected 2 tensor(s) in
+    the cudagraph pool not tracked as outputs")."""
     torch._dynamo.reset()
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.triton, "slow_path_cudagraph_asserts", True)
     q, k_cache, v_cache, k, v, seqlens = _cache_inputs(2, capacity, 8, 32, 128, torch.bfloat16, 1, lengths)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     refs = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
@@ -1062,6 +1066,25 @@ def test_repeated_op_calls_are_served_by_their_guard_gpu(monkeypatch):
         assert all(torch.equal(g, w) for g, w in zip(torch.ops.flashkernel.kvcache_fwd(*changed), want))
 
 
+def test_only_the_cache_ops_replays_keep_temporaries(monkeypatch):
+    """``ops._cached`` asks ``CallCache.quick`` (and a replay found by key) to keep temporaries
+    per stream for the cache op only: its are small (split-KV partials, merge counters) and paid
+    per layer otherwise; the backward's are large (float32 dQ accumulators)."""
+    asked = []
+
+    class Calls:
+        def quick(self, probe, tensors, capturing, reuse_scratch=True):
+            asked.append((probe[0], reuse_scratch))
+            return ("replayed",)
+
+    monkeypatch.setattr(ops, "_OP_CALLS", Calls())
+    monkeypatch.setattr(ops, "stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    for name in ("kvcache_fwd", "bwd", "fwd", "varlen_fwd"):
+        assert ops._cached(name, (torch.empty(2),), (True, 0.5), lambda: None) == ("replayed",)
+    assert asked == [("kvcache_fwd", True), ("bwd", False), ("fwd", False), ("varlen_fwd", False)]
+
+
 @pytest.mark.gpu
 def test_op_calls_under_a_memory_pool_keep_their_temporaries_outside_it_gpu():
     """Cache op calls made while the calling thread's allocations go to a private pool (as while
@@ -1093,3 +1116,28 @@ def test_op_calls_under_a_memory_pool_keep_their_temporaries_outside_it_gpu():
     for t in temporaries:
         assert not any(start <= t.data_ptr() < start + size for start, size in segments)
         assert t.dtype != torch.int32 or not t.any()
+    # Each stream's temporaries come from blocks of that stream (made as if on it).
+    stream_of = [(s["address"], s["total_size"], s["stream"]) for s in torch.cuda.memory_snapshot()]
+    by_stream = {replay_stream: buffers for replay in ops._OP_CALLS._replays.values()
+                 for replay_stream, buffers in replay._scratch_by_stream.items()}
+    assert set(by_stream) == {torch.cuda.current_stream().cuda_stream, side.cuda_stream}
+    for stream, buffers in by_stream.items():
+        for t in buffers:
+            if t is not None:
+                assert [s for start, size, s in stream_of if start <= t.data_ptr() < start + size] == [stream]
+
+
+@pytest.mark.gpu
+def test_backward_op_replays_keep_no_temporaries_gpu():
+    """The registered backward's replays allocate their temporaries per call (float32 dQ
+    accumulators among them: kept per shape, they would hold memory a training run with many
+    lengths never gets back); results of repeated backwards are equal."""
+    ops._OP_CALLS.clear()
+    q, k, v = (x.requires_grad_() for x in random_qkv(2, 256, 256, 8, 2, 64, torch.bfloat16))
+    grads = []
+    for _ in range(3):
+        out = flashkernel.flash_attn_func(q, k, v, causal=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
+    backward = [replay for key, replay in ops._OP_CALLS._replays.items() if key[0] == "bwd" and replay]
+    assert backward and all(replay._scratch_by_stream == {} for replay in backward)

@@ -113,27 +113,34 @@ def kvcache_fwd_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cach
 _OP_CALLS = CallCache()
 
 
+_KEEPS_TEMPORARIES = frozenset({"kvcache_fwd"})  # ops whose replays keep temporaries per stream: _cached
+
+
 def _cached(name: str, tensors: tuple, scalars: tuple, run):
     """``run()`` (the op's implementation on ``tensors`` and ``scalars``) through the op-level
     call cache: replayed when a call of the same layouts and scalars ran before (CUDA only).
 
     A recent call of the same scalars is found by its guard (``CallCache.quick``: one C++ check
-    of the layouts) before the key is built. Replays keep their temporaries per stream as the
-    eager calls' do, though a compiled model's calls may run while ``torch.compile``'s CUDA graphs
-    route this thread's allocations to their own pool, which must hold no buffer of ours
-    afterwards: kept temporaries are made on another thread (``_launch.allocated_off_thread``)."""
+    of the layouts) before the key is built. The cache op's replays keep their temporaries (the
+    split-KV partials and merge counters, small) per stream as eager calls do: a compiled model
+    pays their allocation per layer otherwise. A compiled model's calls may run while
+    ``torch.compile``'s CUDA graphs route this thread's allocations to their own pool, which must
+    hold no buffer of ours afterwards; kept temporaries are made on another thread
+    (``_launch.allocated_off_thread``). The other ops' replays keep none: the backward's
+    temporaries are large (float32 dQ accumulators), and a replay is kept per shape."""
     if not tensors[0].is_cuda:
         return run()
     capturing = stream_capturing()
     types = tuple(map(type, scalars))
     probe = (name, scalars, types, capturing)
-    results = _OP_CALLS.quick(probe, tensors, capturing)
+    keep = name in _KEEPS_TEMPORARIES
+    results = _OP_CALLS.quick(probe, tensors, capturing, reuse_scratch=keep)
     if results is not None:
         return results
     key = (name, layouts(tensors), scalars, types, capturing)
     replay = _OP_CALLS.get_noted(key, probe, tensors)
     if replay is not None:
-        return replay.run(tensors, reuse_scratch=True, capturing=capturing)
+        return replay.run(tensors, reuse_scratch=keep, capturing=capturing)
     return _OP_CALLS.run(key, tensors, run, probe=probe)
 
 

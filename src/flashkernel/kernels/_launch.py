@@ -147,7 +147,8 @@ def allocated_off_thread(stream: int, device, make):
     hold no buffer of ours afterwards; PyTorch routes allocations to such a pool per thread, so a
     helper thread's come from its ordinary cache. On ``stream`` (as an external stream), the
     buffers belong to that stream as if made on it, and a zero fill is ordered before its
-    kernels. Other devices: ``make()`` runs on the helper thread as it is."""
+    kernels. So kept buffers never come from a pool the caller routes allocations to (a pool of
+    the caller's own included). Other devices: ``make()`` runs on the helper thread as it is."""
     made = []
 
     def run():
@@ -412,26 +413,33 @@ class Replay:
                 return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
         return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
 
-    def run_checked(self, guard, tensors, fixed=(), capturing=None, out=None):
-        """:meth:`run` on ``(*tensors, *fixed)`` with ``reuse_scratch=True`` (and ``outputs=(out,)``
+    def run_checked(self, guard, tensors, fixed=(), capturing=None, out=None, reuse_scratch: bool = True):
+        """:meth:`run` on ``(*tensors, *fixed)`` with ``reuse_scratch`` (and ``outputs=(out,)``
         when ``out`` is given), where the C launcher first checks ``tensors`` (and ``out``) with
         ``guard`` (a :meth:`LayoutGuard.native_form`) and reads every address itself: None when the
         guard does not vouch for them (nothing allocated or launched). For replays through the C
         launcher (``native`` not None)."""
         if _current_device() != self.device:
             with torch.cuda.device(self.device):  # the capture state asked again: that device's stream's
-                return self.run_checked(guard, tensors, fixed, None, out)
+                return self.run_checked(guard, tensors, fixed, None, out, reuse_scratch)
+        if not reuse_scratch:
+            return self._launch_checked(guard, tensors, fixed, capturing, out, self._fresh_buffers)
         if self.scratch:  # one run's launches at a time per stream's temporaries: see run()
             with self._scratch_lock:
-                return self._launch_checked(guard, tensors, fixed, capturing, out)
-        return self._launch_checked(guard, tensors, fixed, capturing, out)
+                return self._launch_checked(guard, tensors, fixed, capturing, out, self._buffers)
+        return self._launch_checked(guard, tensors, fixed, capturing, out, self._buffers)
 
-    def _launch_checked(self, guard, tensors, fixed, capturing, out):
-        allocated = _native.module().checked_run(guard, tensors, fixed, self._buffers, _raw_stream(self.device),
+    def _launch_checked(self, guard, tensors, fixed, capturing, out, buffers_for):
+        allocated = _native.module().checked_run(guard, tensors, fixed, buffers_for, _raw_stream(self.device),
                                                  capturing, self.native, self._storages, out)
         if allocated is None:
             return None
         return tuple([None if j is None else allocated[j] for j in self.outputs])
+
+    def _fresh_buffers(self, stream: int, capturing, out=None) -> list:
+        """:meth:`_buffers` with new temporaries, none kept (what a checked run without
+        ``reuse_scratch`` asks the C call for)."""
+        return self._buffers(stream, capturing, out, reuse_scratch=False)
 
     def _buffers(self, stream: int, capturing, out=None, reuse_scratch: bool = True, given=()) -> list:
         """The run's buffers, one per recorded allocation: the temporaries kept for ``stream`` (with
@@ -616,24 +624,24 @@ class LayoutGuard:
         return _native.make_guard(self._check, self._alignments, self._checked, self._same,
                                   self._distinct - (None in self._alignments), output)
 
-    def run(self, replay: Replay, tensors, fixed=(), capturing=None):
-        """``replay.run((*tensors, *fixed), reuse_scratch=True)`` when ``tensors`` have the examples'
-        layouts (as :meth:`addresses` says), else None (nothing launched). Where the replay runs
-        through the C launcher, the check, the addresses (of ``fixed`` too: dense tensors the
-        caller has validated, or None) and the launches are one call into it
+    def run(self, replay: Replay, tensors, fixed=(), capturing=None, reuse_scratch: bool = True):
+        """``replay.run((*tensors, *fixed), reuse_scratch=reuse_scratch)`` when ``tensors`` have the
+        examples' layouts (as :meth:`addresses` says), else None (nothing launched). Where the
+        replay runs through the C launcher, the check, the addresses (of ``fixed`` too: dense
+        tensors the caller has validated, or None) and the launches are one call into it
         (:meth:`Replay.run_checked`)."""
         if replay.native is not None:
             native = self._native
             if native is False:
                 native = self._native = self.native_form()
             if native is not None:
-                return replay.run_checked(native, tensors, fixed, capturing)
+                return replay.run_checked(native, tensors, fixed, capturing, reuse_scratch=reuse_scratch)
         addresses = self.addresses(tensors)
         if addresses is None:
             return None
         if fixed:
             addresses += [None if x is None else x.data_ptr() for x in fixed]
-        return replay.run((*tensors, *fixed), reuse_scratch=True, addresses=addresses, capturing=capturing)
+        return replay.run((*tensors, *fixed), reuse_scratch=reuse_scratch, addresses=addresses, capturing=capturing)
 
 
 try:
@@ -682,10 +690,11 @@ class CallCache:
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
-    def quick(self, probe, inputs, capturing=None):
+    def quick(self, probe, inputs, capturing=None, reuse_scratch: bool = True):
         """The outputs of a recent replay filed with ``probe`` (the caller's key without the tensors'
         layouts, e.g. its name and scalar arguments) whose inputs had the layouts of ``inputs``
-        (:class:`LayoutGuard`), run on ``inputs``; None when there is none. What a caller that
+        (:class:`LayoutGuard`), run on ``inputs`` (keeping its temporaries per stream with
+        ``reuse_scratch``, see :meth:`Replay.run`); None when there is none. What a caller that
         makes the same few calls over and over (a model's layers) finds without building its key:
         :func:`layouts` of every tensor and the key's hash cost more than this look-up."""
         for filed, guard, replay in self._recent:
@@ -694,7 +703,7 @@ class CallCache:
             except Exception:  # noqa: BLE001 - an argument that is no scalar (an array): validation names it
                 return None
             if same:
-                results = guard.run(replay, inputs, capturing=capturing)
+                results = guard.run(replay, inputs, capturing=capturing, reuse_scratch=reuse_scratch)
                 if results is not None:
                     return results
         return None
