@@ -8,10 +8,10 @@ token ``r // group`` of query head ``kv_head * group + r % group``), padded to >
 byte is read once per step, not once per query head. The context ``[0, L)`` of a sequence is
 cut into ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program streams one run and writes
 a normalized partial output and its log-sum-exp (float32) to a workspace. The splits are merged
-exactly by log-sum-exp: in an eager call of a short step, by the last program of each row tile
-to finish (an atomic count per row tile, :func:`_last_split_merges`), so no launch follows;
-otherwise (under CUDA-graph capture, or a step that reads more than the tuning's
-``merge_in_kernel_max_bytes``: GPU time decides there) by ``kernels/combine.py`` in a second
+exactly by log-sum-exp: in an eager call (a short step, or one of few splits over a cache in
+q's dtype), by the last program of each row tile to finish (an atomic count per row tile,
+:func:`_last_split_merges`), so no launch follows; otherwise (under CUDA-graph capture, or a
+longer step with more splits or over a 1-byte cache) by ``kernels/combine.py`` in a second
 launch (:func:`merges_in_kernel`). With one split the program writes the final output directly.
 
 With new ``k, v [B, T, Hkv, D]`` (``APPEND``), each program first writes into the cache, in
@@ -1173,24 +1173,32 @@ def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, var
                             head_dim, waves_for(geometry.page_size, programs, span, sms, tuned, quantized), tuned,
                             kv_scale)
     capturing = q.is_cuda and not interpreted and torch.cuda.is_current_stream_capturing()
-    merge = merges_in_kernel(num_splits, batch * num_kv_heads * head_dim * q.element_size(), span, tuned, capturing)
+    merge = merges_in_kernel(num_splits, batch * num_kv_heads * head_dim * q.element_size(), span, tuned, capturing,
+                             quantized)
     return DecodeLaunch(config, group, block_m, num_row_tiles, num_splits, _warps_for(config, block_m, head_dim),
                         (programs * num_splits,), merge)
 
 
-def merges_in_kernel(num_splits: int, bytes_per_key: int, span: int, tuned: DecodeTuning, capturing: bool) -> bool:
+def merges_in_kernel(num_splits: int, bytes_per_key: int, span: int, tuned: DecodeTuning, capturing: bool,
+                     quantized: bool = False) -> bool:
     """Whether the decode kernel merges its splits itself (the last program of each row tile,
     :func:`_last_split_merges`) rather than a ``combine`` launch after it: for calls not under
-    CUDA-graph capture whose step reads at most ``tuned.merge_in_kernel_max_bytes`` of K and V
-    (``span`` keys of ``bytes_per_key`` each, q's dtype: an upper bound for 1-byte caches).
-    Those are host-bound, and a launch less took 1.2-2.6 us off an eager call on the H200; the
-    in-kernel merge cost up to ~1 us more GPU time than the combine launch there (up to 1.8 us
-    at 33 splits; docs/perf-notes.md, "The splits merged in the decode kernel"), so GPU-bound
-    steps and every step under capture keep the combine. The span is rounded up to
-    :func:`plan_span_step` keys, so the choice, like the rest of the plan, depends on a
-    contiguous cache's capacity only through it."""
+    CUDA-graph capture (graph replays keep the combine: in a graph the in-kernel merge cost 0.7-0.9
+    us more GPU time over contiguous caches, 1-2 us at 33 splits over fp8 ones) whose step reads at
+    most ``tuned.merge_in_kernel_max_bytes`` of K and V (``span`` keys of ``bytes_per_key`` each,
+    q's dtype: an upper bound for 1-byte caches), or, over a cache in q's dtype, has at most
+    ``tuned.merge_in_kernel_max_splits`` splits. Why: steps up to that size are host-bound, and a
+    launch less took 1.2-2.6 us off an eager call; and in eager calls of longer steps the kernel
+    boundary the combine adds cost more than the merge (back-to-back eager calls on the H200, bf16,
+    2 to 16 splits: 0.7-1.9 us less per call at batch 8 x 4k, batch 1 x 32k and 128k, batch 8 x
+    32k; at 33 splits over pages of 16, batch 1 x 32k, 1.1 us more; docs/perf-notes.md, "The
+    splits merged in the decode kernel"). The span is rounded up to :func:`plan_span_step` keys,
+    so the choice, like the rest of the plan, depends on a contiguous cache's capacity only
+    through it."""
     if num_splits == 1 or capturing:
         return False
+    if not quantized and num_splits <= tuned.merge_in_kernel_max_splits:
+        return True
     step = plan_span_step(tuned)
     return cdiv(span, step) * step * 2 * bytes_per_key <= tuned.merge_in_kernel_max_bytes
 

@@ -244,7 +244,8 @@ class DecodeTuning:
     ``min_split_tokens`` of the capacity where the short-context rules were measured (bf16/fp16,
     head dim <= 128), ``unmeasured_min_split_tokens`` elsewhere, and at most
     ``max_auto_splits`` splits; eager steps that read at most ``merge_in_kernel_max_bytes`` of K
-    and V merge their splits in the decode kernel (``decode.merges_in_kernel``); splits of at
+    and V, or (caches in q's dtype) have at most ``merge_in_kernel_max_splits`` splits, merge
+    their splits in the decode kernel (``decode.merges_in_kernel``); splits of at
     most ``short_split_tokens`` keys use ``short_block_n``-key tiles; grids of more than a wave
     whose programs read at most ``multi_wave_max_tokens`` keys (or read small pages) use
     ``multi_wave_config``, except over 1-byte caches at head dims padded to 128, where grids of
@@ -276,6 +277,7 @@ class DecodeTuning:
     multi_wave_config: DecodeConfig
     max_auto_splits: int
     merge_in_kernel_max_bytes: int
+    merge_in_kernel_max_splits: int
     gluon_head_dims: tuple
     gluon_max_item_tokens: int
     gluon_append_max_batch: int
@@ -322,6 +324,7 @@ class DecodeTuning:
             multi_wave_config=DecodeConfig(*rules["multi_wave_config"]),
             max_auto_splits=rules["max_auto_splits"],
             merge_in_kernel_max_bytes=rules["merge_in_kernel_max_bytes"],
+            merge_in_kernel_max_splits=rules["merge_in_kernel_max_splits"],
             gluon_head_dims=tuple(gluon_part["head_dims"]), gluon_max_item_tokens=gluon_part["max_item_tokens"],
             gluon_append_max_batch=gluon_part["append_max_batch"],
             gluon_append_min_batch_tokens=gluon_part["append_min_batch_tokens"],
