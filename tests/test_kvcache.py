@@ -854,6 +854,7 @@ def test_kvcache_rejects_bad_sequence_slots(seq):
     ({"num_blocks": 0}, "num_blocks must be a positive int, got 0"),
     ({"batch": 2.0}, "batch must be a positive int, got 2.0"),
     ({"dtype": torch.int8}, "dtype must be one of .*got torch.int8"),
+    ({"head_dim": 20}, "the cache has head_dim 20; supported head dims are multiples of 8"),
 ])
 def test_kvcache_constructor_names_the_bad_argument(overrides, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -875,6 +876,25 @@ def test_kvcache_reserve_allocates_nothing_when_one_sequence_does_not_fit():
     assert cache.free_pages() == 2 and cache.pages(1) == [] and cache.block_table[1].tolist() == [-1, -1]
     with pytest.raises(ValueError, match="num_tokens must be >= 0, got -2"):
         cache.reserve(-2)
+
+
+def test_kvcache_counts_must_be_ints_and_slots_distinct_and_a_refusal_changes_nothing():
+    """``reserve``/``advance`` take an int count and distinct slots; a refused call leaves host
+    and device lengths and pages as they were."""
+    cache = small_cache()
+    cache.reserve(8, 0)
+    for call, exc, match in ((lambda: cache.advance(2.5), TypeError, r"num_tokens must be an int, got 2.5 \(float\)"),
+                             (lambda: cache.reserve(1.5), TypeError, "num_tokens must be an int, got 1.5"),
+                             (lambda: cache.advance(True), TypeError, "num_tokens must be an int, got True"),
+                             (lambda: cache.advance(5, seqs=[0, 0]), ValueError,
+                              r"seqs lists sequence\(s\) \[0\] more than once"),
+                             (lambda: cache.reserve(1, seqs=(1, 2, 1)), ValueError, r"sequence\(s\) \[1\]")):
+        with pytest.raises(exc, match=match):
+            call()
+        assert [cache.length(b) for b in range(3)] == [0, 0, 0] and cache.cache_seqlens.tolist() == [0, 0, 0]
+        assert cache.pages(0) == [0, 1] and cache.pages(1) == cache.pages(2) == [] and cache.free_pages() == 4
+    cache.advance(5, seqs=[0])
+    assert cache.length(0) == 5 and cache.cache_seqlens.tolist() == [5, 0, 0]
 
 
 def test_decode_steps_through_kvcache():

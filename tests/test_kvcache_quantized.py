@@ -419,8 +419,8 @@ def test_quantize_kv_rejects_bad_arguments(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("overrides, exc, match", [
-    (dict(cache_dtype=torch.float8_e5m2), TypeError, "dtype must be torch.float8_e4m3fn or torch.int8"),
-    (dict(cache_dtype=torch.int8, scale_granularity="row"), ValueError, "granularity must be one of"),
+    (dict(cache_dtype=torch.float8_e5m2), TypeError, "^cache_dtype must be torch.float8_e4m3fn or torch.int8"),
+    (dict(cache_dtype=torch.int8, scale_granularity="row"), ValueError, "^scale_granularity must be one of"),
     (dict(cache_dtype=torch.int8, scale_granularity="token", k_scale=0.1), ValueError,
      "k_scale is given with scale_granularity='token'"),
     (dict(cache_dtype=torch.int8, v_scale=-1.0), ValueError, "v_scale must be finite and positive, got -1.0"),
@@ -432,6 +432,35 @@ def test_kvcache_rejects_bad_quantization_arguments(overrides, exc, match):
     with pytest.raises(exc, match=match):
         flashkernel.KVCache(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=32, batch=1, max_blocks_per_seq=2,
                             dtype=torch.float16, device=DEVICE, **overrides)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_kvcache_append_takes_any_layout_and_a_refused_append_changes_nothing(granularity, monkeypatch):
+    """A quantized cache's ``append`` takes the new tokens in any layout, as an unquantized one
+    does (a view whose last dim is not contiguous lands as its contiguous copy), and quantizes
+    them before reserving: an append the quantizer refuses takes no page."""
+    def make():
+        return flashkernel.KVCache(num_blocks=4, page_size=4, num_kv_heads=2, head_dim=16, batch=1,
+                                   max_blocks_per_seq=2, dtype=torch.float16, device=DEVICE, cache_dtype=torch.int8,
+                                   scale_granularity=granularity, **({} if granularity == "token" else
+                                                                     dict(k_scale=0.05, v_scale=0.05)))
+    k, v = (torch.randn(5, 16, 2, device=DEVICE).half().transpose(1, 2) for _ in range(2))  # [5, 2, 16], last dim strided
+    assert k.stride(-1) != 1
+    strided, dense = make(), make()
+    strided.append(0, k, v)
+    dense.append(0, k.contiguous(), v.contiguous())
+    for got, want in zip(strided.gather(0), dense.gather(0)):
+        assert torch.equal(got, want)
+    refused = make()
+
+    def refuse(*args):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(refused, "_quantized", refuse)
+    with pytest.raises(ValueError, match="refused"):
+        refused.append(0, k, v)
+    assert refused.free_pages() == 4 and refused.pages(0) == [] and refused.block_table.tolist() == [[-1, -1]]
+    assert refused.length(0) == 0 and refused.cache_seqlens.tolist() == [0]
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------

@@ -341,16 +341,16 @@ def check_kv_scales(k_scale, v_scale, k_cache, quantized: bool) -> None:
                          "granularity")
 
 
-def check_quantized_dtype(dtype) -> None:
-    """A quantized cache's format: float8_e4m3fn or int8."""
+def check_quantized_dtype(dtype, name: str = "dtype") -> None:
+    """A quantized cache's format (argument ``name``): float8_e4m3fn or int8."""
     if dtype not in QUANTIZED_CACHE_DTYPES:
         accepted = " or ".join(f"torch.{_dtype_name(d)}" for d in QUANTIZED_CACHE_DTYPES)
-        raise TypeError(f"dtype must be {accepted} (the quantized cache formats), got {dtype!r}")
+        raise TypeError(f"{name} must be {accepted} (the quantized cache formats), got {dtype!r}")
 
 
-def check_granularity(granularity) -> None:
+def check_granularity(granularity, name: str = "granularity") -> None:
     if granularity not in SCALE_GRANULARITIES:
-        raise ValueError(f"granularity must be one of {', '.join(map(repr, SCALE_GRANULARITIES))}, got {granularity!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, SCALE_GRANULARITIES))}, got {granularity!r}")
 
 
 def check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale, interpreted: bool) -> None:

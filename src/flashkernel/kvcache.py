@@ -49,6 +49,14 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _check_count(name: str, value) -> None:
+    """A number of tokens: an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
 def _check_page_size(page_size) -> None:
     _check_positive_int("page_size", page_size)
     if page_size > _checks.MAX_PAGE_SIZE or page_size & (page_size - 1):
@@ -143,6 +151,7 @@ class KVCache:
                             ("batch", batch), ("max_blocks_per_seq", max_blocks_per_seq)):
             _check_positive_int(name, value)
         _check_page_size(page_size)
+        _checks.check_head_dim("the cache", head_dim)
         if dtype not in _checks.SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(map(str, _checks.SUPPORTED_DTYPES))}, got {dtype}")
         device = default_device() if device is None else device
@@ -150,13 +159,14 @@ class KVCache:
         self.dtype = dtype
         shape = (num_blocks, page_size, num_kv_heads, head_dim)
         cache_dtype = dtype if cache_dtype is None else cache_dtype
+        if cache_dtype != dtype:
+            _checks.check_quantized_dtype(cache_dtype, "cache_dtype")
+            _checks.check_granularity(scale_granularity, "scale_granularity")
         self.k_pages = _zeros(shape, cache_dtype, device)
         self.v_pages = _zeros(shape, cache_dtype, device)
         self.scale_granularity = None
         self.k_scale = self.v_scale = None
         if cache_dtype != dtype:
-            _checks.check_quantized_dtype(cache_dtype)
-            _checks.check_granularity(scale_granularity)
             self.scale_granularity = scale_granularity
             self.k_scale = _initial_scale("k_scale", k_scale, scale_granularity, shape, device)
             self.v_scale = _initial_scale("v_scale", v_scale, scale_granularity, shape, device)
@@ -194,10 +204,13 @@ class KVCache:
     # ---- updates -----------------------------------------------------------------------------
 
     def _seqs(self, seqs) -> list[int]:
-        """``seqs``: None (every slot), one slot index, or a list / tuple / range of them."""
+        """``seqs``: None (every slot), one slot index, or a list / tuple / range of distinct ones."""
         chosen = list(range(self.batch)) if seqs is None else list(seqs) if isinstance(seqs, (list, tuple, range)) else [seqs]
         for seq in chosen:
             self._check_seq(seq)
+        if len(set(chosen)) != len(chosen):
+            repeated = sorted({seq for seq in chosen if chosen.count(seq) > 1})
+            raise ValueError(f"seqs lists sequence(s) {repeated} more than once; give each slot once")
         return chosen
 
     def reserve(self, num_tokens: int, seqs=None) -> None:
@@ -206,8 +219,7 @@ class KVCache:
         Allocates pages from the pool and writes them to ``block_table``; lengths are unchanged.
         Checks every sequence first: when one does not fit, nothing is allocated.
         """
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        _check_count("num_tokens", num_tokens)
         grows, free = {}, len(self._free)
         for seq in self._seqs(seqs):
             needed = -(-(self._lengths[seq] + num_tokens) // self.page_size)
@@ -232,8 +244,7 @@ class KVCache:
 
     def advance(self, num_tokens: int, seqs=None) -> None:
         """Count ``num_tokens`` more tokens (already written, e.g. by a decode step) in ``seqs``."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        _check_count("num_tokens", num_tokens)
         chosen = self._seqs(seqs)
         # Check every sequence before changing any, so host and device lengths stay in step.
         for seq in chosen:
@@ -275,17 +286,17 @@ class KVCache:
         self._check_seq(seq)
         self._check_new_tokens(k, v)
         n = k.shape[0]
+        if self.k_scale is not None:  # before reserving: what the quantizer refuses changes nothing
+            k, v, k_scale, v_scale = self._quantized(k.contiguous(), v.contiguous())
         self.reserve(n, seq)
         pos = torch.arange(self._lengths[seq], self._lengths[seq] + n)
         pages = torch.tensor(self._pages[seq], dtype=torch.long)[pos // self.page_size]
         slots = pos % self.page_size
         device = self.k_pages.device
         where = (pages.to(device), slots.to(device))
-        if self.k_scale is not None:
-            k, v, k_scale, v_scale = self._quantized(k, v)
-            if self.scale_granularity == "token":
-                self.k_scale[where] = k_scale[0]
-                self.v_scale[where] = v_scale[0]
+        if self.scale_granularity == "token":
+            self.k_scale[where] = k_scale[0]
+            self.v_scale[where] = v_scale[0]
         _bytes(self.k_pages)[where] = _bytes(k)
         _bytes(self.v_pages)[where] = _bytes(v)
         self.advance(n, seq)
