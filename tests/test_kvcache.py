@@ -284,6 +284,32 @@ def test_eager_steps_of_few_splits_over_caches_in_qs_dtype_merge_in_the_kernel_a
     assert decode.merges_in_kernel(4 * most, bytes_per_key, 1024, tuned, False, quantized=True)
 
 
+@pytest.mark.parametrize("batch, context, page_size, kv_scale, splits, merge", [
+    (8, 4096, 0, 0, 2, True),  # 128 MiB of bf16 keys and values: past the bytes rule, 2 splits
+    (1, 32768, 0, 0, 16, True),
+    (8, 4096, 16, 0, 4, True),
+    (1, 32768, 16, 0, 33, False),  # more splits than merge_in_kernel_max_splits: the combine
+    (8, 4096, 0, 1, 4, False),  # a 1-byte cache (scales per tensor), 4 splits: the bytes rule only
+    (1, 1024, 0, 0, 16, True),  # short: the bytes rule
+])
+def test_plan_merges_eager_steps_of_few_splits_over_caches_in_qs_dtype(monkeypatch, batch, context, page_size,
+                                                                          kv_scale, splits, merge):
+    """``plan_decode`` (132 SMs, the shipped tuning, 32 query / 8 KV heads of 128, one new token)
+    passes the cache's format to ``merges_in_kernel``: the split counts the rule was measured at
+    and the choice at each."""
+    monkeypatch.setattr(decode, "sm_count", lambda device, interpreted: 132)
+    tuned = tuning.decode_tuning(None)
+    q = torch.empty(batch, 1, 32, 128, dtype=torch.bfloat16)
+    if page_size:
+        k_cache = torch.empty(batch * context // page_size, page_size, 8, 128, dtype=torch.bfloat16)
+        block_table = torch.zeros(batch, context // page_size, dtype=torch.int32)
+    else:
+        k_cache, block_table = torch.empty(batch, context, 8, 128, dtype=torch.bfloat16), None
+    plan = decode.plan_decode(q, 8, decode.CacheGeometry.of(k_cache, block_table), Variant.of(False), 0, None, tuned,
+                              kv_scale, False)
+    assert plan.num_splits == splits and plan.merge == merge
+
+
 @pytest.mark.parametrize("case", [
     dict(lengths=(0, 37, 150), seqlen_new=1, heads=(8, 2), head_dim=64, num_splits=5),
     dict(lengths=(90,), seqlen_new=3, heads=(12, 2), head_dim=32, num_splits=7),  # 18 rows: five rounds of 4
@@ -1014,12 +1040,15 @@ def test_cache_over_2_31_elements_gpu(page_size, decode_backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("eager_merges_in_kernel", [True, False])
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_cuda_graph_replay_equals_eager_gpu(page_size, decode_backend):
+def test_cuda_graph_replay_equals_eager_gpu(page_size, decode_backend, eager_merges_in_kernel, monkeypatch):
     """Capture one decode step (append + attend), replay it with new inputs: the caches bitwise
-    eager's, the outputs up to the float32 rounding of the splits' merge (a captured split step
-    merges them in a combine launch, an eager one of few splits in the decode kernel:
-    ``decode.merges_in_kernel``)."""
+    eager's; the outputs bitwise too where the eager step merges its splits in a combine launch
+    as the captured one does, else up to the float32 rounding of the merge (an eager step of few
+    splits merges them in the decode kernel: ``decode.merges_in_kernel``)."""
+    if not eager_merges_in_kernel:
+        _merge_in_kernel_at_most(monkeypatch, 0)
     lengths, heads, head_dim, dtype = (100, 3000, 0, 1234), (32, 8), 128, torch.bfloat16
     k_cache, v_cache, block_table = make_cache(lengths, 4, heads[1], head_dim, dtype, page_size)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
@@ -1046,8 +1075,11 @@ def test_cuda_graph_replay_equals_eager_gpu(page_size, decode_backend):
         out_e, lse_e = step(eager_k, eager_v)
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out_g, out_e, rtol=0, atol=4e-3)
-        torch.testing.assert_close(lse_g, lse_e, rtol=1e-6, atol=1e-5)
+        if eager_merges_in_kernel:
+            torch.testing.assert_close(out_g, out_e, rtol=0, atol=4e-3)
+            torch.testing.assert_close(lse_g, lse_e, rtol=1e-6, atol=1e-5)
+        else:
+            assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e)
         assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
         seqlens.add_(1)
 

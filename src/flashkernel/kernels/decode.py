@@ -1188,11 +1188,12 @@ def merges_in_kernel(num_splits: int, bytes_per_key: int, span: int, tuned: Deco
     most ``tuned.merge_in_kernel_max_bytes`` of K and V (``span`` keys of ``bytes_per_key`` each,
     q's dtype: an upper bound for 1-byte caches), or, over a cache in q's dtype, has at most
     ``tuned.merge_in_kernel_max_splits`` splits. Why: steps up to that size are host-bound, and a
-    launch less took 1.2-2.6 us off an eager call; and in eager calls of longer steps the kernel
-    boundary the combine adds cost more than the merge (back-to-back eager calls on the H200, bf16,
-    2 to 16 splits: 0.7-1.9 us less per call at batch 8 x 4k, batch 1 x 32k and 128k, batch 8 x
-    32k; at 33 splits over pages of 16, batch 1 x 32k, 1.1 us more; docs/perf-notes.md, "The
-    splits merged in the decode kernel"). The span is rounded up to :func:`plan_span_step` keys,
+    launch less took 1.2-2.6 us off an eager call (docs/perf-notes.md, "The splits merged in the
+    decode kernel"); and in eager calls of longer steps the kernel boundary the combine adds cost
+    more than the merge (back-to-back eager calls on the H200, bf16, head dim 128, one new token,
+    2 to 16 splits: 0.7-2.0 us less per call at batch 8 x 4k, batch 1 x 32k and 128k, batch 8 x
+    32k; at 33 splits over pages of 16, batch 1 x 32k, 1.1 us more; "Eager steps of few splits
+    merge in the kernel at any size"). The span is rounded up to :func:`plan_span_step` keys,
     so the choice, like the rest of the plan, depends on a contiguous cache's capacity only
     through it."""
     if num_splits == 1 or capturing:
