@@ -116,13 +116,14 @@ def graph_us(fn) -> float | None:
         return None
 
 
-def paired_host_us(providers: dict, reference) -> dict:
+def paired_host_us(providers: dict, reference, context=None) -> dict:
     """``{name: (host_paired_us, host_vs_cudnn)}`` for each provider, from :data:`PAIRED_ROUNDS`
     rounds in which the providers and ``reference`` (cuDNN's call, timed under its backend
-    choice) each run one unsynchronised loop; see the module docstring."""
+    choice: ``context``, default :func:`cudnn_context`) each run one unsynchronised loop; see the
+    module docstring."""
     timed = dict(providers, _reference=reference)
     samples = {name: [] for name in timed}
-    with cudnn_context():
+    with (context or cudnn_context)():
         for _ in range(PAIRED_ROUNDS):
             for name, fn in timed.items():
                 torch.cuda.synchronize()
@@ -394,7 +395,8 @@ def op_rows(label: str) -> list[dict]:
     """Host time per call of the registered cache op (``torch.ops.flashkernel.kvcache_fwd``: what
     a model compiled without CUDA graphs calls per layer) against the eager function on the same
     step (batch 1 and 8, context 1k, appending one token, as a compiled layer's call does), in
-    :data:`PAIRED_ROUNDS` alternating rounds: medians, and the median of the rounds' ratios."""
+    :data:`PAIRED_ROUNDS` alternating rounds (:func:`paired_host_us`, the eager function as the
+    reference): medians, and the median of the rounds' ratios."""
     rows = []
     for batch in (1, 8):
         q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -412,14 +414,10 @@ def op_rows(label: str) -> list[dict]:
         for call in calls.values():
             for _ in range(5):
                 call()
-        samples = {name: [] for name in calls}
-        for _ in range(PAIRED_ROUNDS):
-            for name, call in calls.items():
-                samples[name].append(loop_us(call, synchronize=False, repeats=1))
-        ratio = statistics.median([o / e for o, e in zip(samples["flashkernel_op"], samples["flashkernel"])])
+        paired = paired_host_us(calls, calls["flashkernel"], contextlib.nullcontext)
         for name in calls:
             row = dict(workload="op", label=label, provider=name, batch=batch, context=1024,
-                       host_us=statistics.median(samples[name]), host_vs_eager=1.0 if name == "flashkernel" else ratio)
+                       host_us=paired[name][0], host_vs_eager=1.0 if name == "flashkernel" else paired[name][1])
             print(f"op b={batch} {name:16s} host {row['host_us']:7.1f} us  vs eager {row['host_vs_eager']:5.2f}",
                   flush=True)
             rows.append(row)
