@@ -33,7 +33,8 @@ prefill, 16k tokens per batch, model dim 2048, head dim 64/128/256, seqlen 512/1
 not; and host-bound short prompts (``prefill-short`` rows: batch 1, 32 query / 8 KV heads of
 128, causal, seqlen 128 and 512). ``--sections compiled``: a 32-layer attention-only decode loop
 (append + attend per layer, B=1 and 8, context 1k) as eager calls, under ``torch.compile`` and
-under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step; ``--sections op``:
+under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), time per step, and the same loop
+on SDPA over a static cache as transformers runs it (:class:`SdpaStaticCacheDecoder`); ``--sections op``:
 host time per call of the registered cache op, which such a compiled model calls per layer,
 against the eager function on the same step (:func:`op_rows`). ``--sections
 growing``: transformers' dynamic cache, a new ``[B, Hkv, S, D]`` cache one key longer every step
@@ -338,57 +339,116 @@ def prefill_provider_rows(workload: str, label: str, providers: dict, **shape) -
 # ---- a compiled decode loop ----------------------------------------------------------------------
 
 
-class AttentionOnlyDecoder(torch.nn.Module):
+class _LayersOfCaches(torch.nn.Module):
+    """A module holding random ``k_caches`` and ``v_caches`` buffers of ``shape`` (layers first)."""
+
+    def __init__(self, shape: tuple, device, dtype):
+        super().__init__()
+        self.register_buffer("k_caches", torch.randn(shape, device=device, dtype=dtype))
+        self.register_buffer("v_caches", torch.randn(shape, device=device, dtype=dtype))
+
+
+class AttentionOnlyDecoder(_LayersOfCaches):
     """``LAYERS`` layers, each appending one token to its own cache and attending to it."""
 
-    def __init__(self, batch: int, capacity: int):
-        super().__init__()
-        shape = (LAYERS, batch, capacity, KV_HEADS, HEAD_DIM)
-        self.register_buffer("k_caches", torch.randn(shape, device="cuda", dtype=torch.bfloat16))
-        self.register_buffer("v_caches", torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+    def __init__(self, batch: int, capacity: int, layers: int = LAYERS, device="cuda", dtype=torch.bfloat16):
+        super().__init__((layers, batch, capacity, KV_HEADS, HEAD_DIM), device, dtype)
 
     def forward(self, q, k, v, seqlens):
+        """``q [layers, B, 1, Hq, D]``, ``k, v [layers, B, 1, Hkv, D]``, ``seqlens [B]`` int32 (the
+        keys before this step's) -> ``[B, 1, Hq, D]``."""
         out = q[0]
-        for layer in range(LAYERS):
+        for layer in range(self.k_caches.shape[0]):
             out = flashkernel.flash_attn_with_kvcache(q[layer] + out, self.k_caches[layer], self.v_caches[layer],
                                                       k=k[layer], v=v[layer], cache_seqlens=seqlens)
         return out
 
 
+class SdpaStaticCacheDecoder(_LayersOfCaches):
+    """The same loop as transformers' static cache runs it on SDPA: per layer the new token is
+    written at its position (``index_copy_``, every sequence of the batch at the same length) and
+    SDPA attends over the whole ``[B, Hkv, capacity, D]`` cache, its KV heads repeated for the query
+    heads, under a key-padding mask built once per step (SDPA's own backend choice for a masked
+    call)."""
+
+    def __init__(self, batch: int, capacity: int, layers: int = LAYERS, device="cuda", dtype=torch.bfloat16):
+        super().__init__((layers, batch, KV_HEADS, capacity, HEAD_DIM), device, dtype)
+
+    def forward(self, q, k, v, seqlens):
+        """As :meth:`AttentionOnlyDecoder.forward`; every ``seqlens`` entry equal."""
+        position = seqlens[:1].long()
+        keys = torch.arange(self.k_caches.shape[3], device=q.device)
+        mask = (keys[None, :] <= seqlens[:, None])[:, None, None, :]
+        out = q[0]
+        for layer in range(self.k_caches.shape[0]):
+            self.k_caches[layer].index_copy_(2, position, k[layer].transpose(1, 2))
+            self.v_caches[layer].index_copy_(2, position, v[layer].transpose(1, 2))
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                (q[layer] + out).transpose(1, 2), repeat_kv_heads(self.k_caches[layer]),
+                repeat_kv_heads(self.v_caches[layer]), attn_mask=mask)
+            out = attended.transpose(1, 2)
+        return out
+
+
+def repeat_kv_heads(cache: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, S, D] -> [B, Hq, S, D]``, each KV head repeated for its query heads, as
+    transformers does before a masked SDPA call (SDPA's ``enable_gqa`` with a mask runs its math
+    kernel)."""
+    batch, kv_heads, length, head_dim = cache.shape
+    return cache[:, :, None].expand(batch, kv_heads, HEADS // kv_heads, length, head_dim).reshape(
+        batch, HEADS, length, head_dim)
+
+
+COMPILED_MODELS = {"flashkernel": AttentionOnlyDecoder, "sdpa": SdpaStaticCacheDecoder}
+COMPILED_CAPACITY = 1152  # keys per cache: the 1k context, 60 steps, a multiple of 64 (SDPA's masked kernels want
+                          # an aligned key count)
+
+
 def compiled_rows(label: str) -> list[dict]:
+    """Time per step of the 32-layer decode loop for each of :data:`COMPILED_MODELS`, eager,
+    under ``torch.compile`` and under ``torch.compile(mode="reduce-overhead")``: medians of 30
+    steps after 30 of warm-up, every sequence one key longer each step."""
     rows = []
     for batch in (1, 8):
         context, steps = 1024, 30
         inputs = [torch.randn(LAYERS, batch, 1, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                   for h in (HEADS, KV_HEADS, KV_HEADS)]
-        for mode in ("eager", "compiled", "reduce-overhead"):
-            model = AttentionOnlyDecoder(batch, context + 2 * steps + 16)
-            if mode == "compiled":
-                model = torch.compile(model, fullgraph=True)
-            elif mode == "reduce-overhead":
-                model = torch.compile(model, fullgraph=True, mode="reduce-overhead")
-            seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            try:
-                times = []
-                for step in range(2 * steps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    model(*inputs, seqlens)
-                    end.record()
-                    seqlens += 1
-                    torch.cuda.synchronize()
-                    if step >= steps:  # after warm-up and compilation
-                        times.append(start.elapsed_time(end) * 1e3)
-                row = dict(workload="compiled", label=label, provider=f"flashkernel_{mode}", batch=batch,
-                           context=context, layers=LAYERS, step_us=statistics.median(times))
-            except Exception as exc:  # noqa: BLE001 - report the failure as the row
-                row = dict(workload="compiled", label=label, provider=f"flashkernel_{mode}", batch=batch,
-                           context=context, layers=LAYERS, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-            print(f"compiled b={batch} {mode:16s} " + (f"{row['step_us']:9.1f} us/step" if "step_us" in row
-                                                        else row["error"]), flush=True)
-            rows.append(row)
-            torch._dynamo.reset()
+        for name, module in COMPILED_MODELS.items():
+            for mode in ("eager", "compiled", "reduce-overhead"):
+                model = module(batch, COMPILED_CAPACITY)
+                if mode == "compiled":
+                    model = torch.compile(model, fullgraph=True)
+                elif mode == "reduce-overhead":
+                    model = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+                seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+                row = dict(workload="compiled", label=label, provider=f"{name}_{mode}", batch=batch,
+                           context=context, layers=LAYERS)
+                try:
+                    row["step_us"] = step_median_us(model, inputs, seqlens, steps)
+                except Exception as exc:  # noqa: BLE001 - report the failure as the row
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"compiled b={batch} {name:11s} {mode:16s} " + (
+                    f"{row['step_us']:9.1f} us/step" if "step_us" in row else row["error"]), flush=True)
+                rows.append(row)
+                del model
+                torch._dynamo.reset()
     return rows
+
+
+def step_median_us(model, inputs, seqlens, steps: int) -> float:
+    """Median time per step (CUDA events around each call) of ``steps`` steps after as many of
+    warm-up (compilation included), ``seqlens`` one longer after each step."""
+    times = []
+    for step in range(2 * steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(*inputs, seqlens)
+        end.record()
+        seqlens += 1
+        torch.cuda.synchronize()
+        if step >= steps:
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
 
 
 def op_rows(label: str) -> list[dict]:
