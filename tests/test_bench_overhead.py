@@ -1,17 +1,10 @@
 """The call-cost benchmark (``bench/overhead.py``): its compiled decode loop and the loop's SDPA
-twin (transformers' static-cache way) compute the same steps, and the README's call-cost table is
-the one its generator makes from the committed results."""
-
-import importlib.util
-import re
-from pathlib import Path
+twin (transformers' static-cache way) compute the same steps."""
 
 import torch
 from helpers import needs_interpreter
 
 from flashkernel.bench import overhead
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @needs_interpreter
@@ -33,14 +26,3 @@ def test_sdpa_twin_of_the_decode_loop_appends_and_attends_as_flashkernel_does():
         for mine, theirs in ((loop.k_caches, twin.k_caches), (loop.v_caches, twin.v_caches)):
             assert torch.equal(mine.transpose(2, 3).float(), theirs)  # the new token in the same slot, nothing else
         seqlens += 1
-
-
-def test_readme_call_cost_section_is_generated_from_the_committed_results():
-    spec = importlib.util.spec_from_file_location("update_readme", ROOT / "benchmarks/tools/update_readme.py")
-    update_readme = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(update_readme)
-    table = update_readme.call_cost_table(ROOT / "benchmarks/results/h200")
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(r"<!-- callcost:start -->\n(.*?)\n<!-- callcost:end -->", readme, flags=re.S)
-    assert section, "README.md has no callcost section"
-    assert section.group(1) == table, "README's call-cost table is stale: run benchmarks/tools/update_readme.py"
