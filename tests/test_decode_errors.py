@@ -128,7 +128,7 @@ def test_block_table_must_be_int32_2d_with_batch_rows():
 
 
 def test_k_without_v():
-    raises(ValueError, "k and v must be given together .* got k=Tensor, v=NoneType", inputs(), v=None)
+    raises(ValueError, "k and v must be given together .* got k=torch.Tensor, v=NoneType", inputs(), v=None)
 
 
 def test_new_kv_wrong_shape():

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,7 +75,8 @@ def test_mismatched_dtype(func):
 @pytest.mark.parametrize("func", FUNCS)
 def test_unsupported_dtype(func):
     q, k, v = qkv(dtype=torch.float64)
-    raises(TypeError, "q has dtype float64; supported dtypes are float16, bfloat16, float32", func, q, k, v)
+    raises(TypeError, "q has dtype float64; supported dtypes are float16, bfloat16, float32; for float64 "
+           "\\(gradient checks\\) use flashkernel.reference.attention", func, q, k, v)
     q, k, v = qkv()
     raises(TypeError, "has dtype int32", func, q.int(), k.int(), v.int())
 
@@ -132,13 +134,14 @@ def test_softmax_scale_that_overflows_float32_scores(func):
 def test_bad_softmax_scale_type(func):
     q, k, v = qkv()
     raises(TypeError, "softmax_scale must be a real number or None, got str '0.1'", func, q, k, v, softmax_scale="0.1")
-    raises(TypeError, "got Tensor", func, q, k, v, softmax_scale=torch.tensor(0.1))
+    raises(TypeError, "got torch.Tensor", func, q, k, v, softmax_scale=torch.tensor(0.1))
 
 
 @pytest.mark.parametrize("func", FUNCS)
 def test_bad_causal_flag(func):
     q, k, v = qkv()
     raises(TypeError, "causal must be a bool, got str 'yes'", func, q, k, v, causal="yes")
+    raises(TypeError, "causal must be a bool, got numpy.bool", func, q, k, v, causal=np.bool_(True))
 
 
 def test_inputs_untouched_by_failed_call():

@@ -43,6 +43,48 @@ def test_opcheck_fwd():
         torch.library.opcheck(torch.ops.flashkernel.fwd.default, args)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_op_called_without_lse_still_differentiates(packed):
+    """An op called directly with ``return_lse=False`` while autograd records it: its backward
+    recomputes the LSE it needs (a second forward), giving the gradients of a call that returned it."""
+    if packed:
+        q, k, v = (torch.randn(13, h, 32, dtype=torch.float16, device=DEVICE) for h in (4, 2, 2))
+        cu = torch.tensor([0, 5, 13], dtype=torch.int32, device=DEVICE)
+        call = lambda q, k, v, lse: torch.ops.flashkernel.varlen_fwd(  # noqa: E731
+            q, k, v, cu, cu, 8, 8, None, None, True, 0.2, -1, -1, 0.0, lse, "auto", True)[0]
+    else:
+        q, k, v = random_qkv(2, 9, 12, 4, 2, 32, torch.float16)
+        call = lambda q, k, v, lse: torch.ops.flashkernel.fwd(  # noqa: E731
+            q, k, v, None, None, True, 0.2, -1, -1, 0.0, lse, "auto", True)[0]
+    dout = torch.randn_like(q)
+    grads = {}
+    for lse in (True, False):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        call(*leaves, lse).backward(dout)
+        grads[lse] = [x.grad for x in leaves]
+    for with_lse, without in zip(grads[True], grads[False]):
+        assert torch.equal(with_lse, without)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    args = (*leaves, cu, cu, 8, 8, None, None, True, 0.2, -1, -1, 0.0, False, "auto", True) if packed else (
+        *leaves, None, None, True, 0.2, -1, -1, 0.0, False, "auto", True)
+    torch.library.opcheck(torch.ops.flashkernel.varlen_fwd.default if packed else torch.ops.flashkernel.fwd.default,
+                          args)
+
+
+def test_backward_op_called_by_hand_checks_what_it_reads():
+    q, k, v = random_qkv(1, 9, 12, 4, 2, 32, torch.float16)
+    out, lse = torch.ops.flashkernel.fwd(q, k, v, None, None, True, 0.2, -1, -1, 0.0, True, "auto", False)
+    tail = (None, None, None, None, 0, 0, True, 0.2, -1, -1, 0.0, None, False)
+    dq = torch.ops.flashkernel.bwd(torch.randn_like(out), q, k, v, out, lse, *tail)[0]
+    assert dq.shape == q.shape
+    with pytest.raises(ValueError, match=r"lse has shape \(0,\), expected \(1, 4, 9\).*return_lse=True"):
+        torch.ops.flashkernel.bwd(torch.randn_like(out), q, k, v, out, lse.new_empty(0), *tail)
+    with pytest.raises(ValueError, match=r"dout has shape \(1, 9, 4, 16\), expected \(1, 9, 4, 32\)"):
+        torch.ops.flashkernel.bwd(out[..., :16], q, k, v, out, lse, *tail)
+    with pytest.raises(ValueError, match="lse has dtype torch.float16"):
+        torch.ops.flashkernel.bwd(torch.randn_like(out), q, k, v, out, lse.half(), *tail)
+
+
 def test_opcheck_varlen_fwd():
     q, k, v = (torch.randn(13, 4, 32, dtype=torch.float16, device=DEVICE) for _ in range(3))
     cu = torch.tensor([0, 5, 13], dtype=torch.int32, device=DEVICE)
@@ -150,6 +192,35 @@ def test_dynamic_lengths_compile_once():
 
 
 # ---- autograd boundary --------------------------------------------------------------------------
+
+
+def test_forward_mode_ad_is_refused_not_answered_with_a_zero_tangent():
+    """The ops have no forward-mode formula; PyTorch would hand back a zero tangent (jvp) or none
+    (dual tensors) without a word, so every entry point refuses an input that carries one."""
+    import torch.autograd.forward_ad as forward_ad
+
+    q, k, v = random_qkv(1, 6, 6, 4, 2, 32, torch.float16)
+    qc, k_cache, v_cache, _, _, seqlens = _cache_inputs()
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
+    decode_plan = flashkernel.DecodePlan(qc, k_cache, v_cache, cache_seqlens=seqlens)
+    packed = (q[0], k[0], v[0], cu, cu, 6, 6)
+    varlen_plan = flashkernel.VarlenPlan(*packed)
+    calls = {
+        "flash_attn_func": (q, lambda x: flashkernel.flash_attn_func(x, k, v)),
+        "flash_attn_varlen_func": (q[0], lambda x: flashkernel.flash_attn_varlen_func(x, *packed[1:])),
+        "flash_attn_with_kvcache": (qc, lambda x: flashkernel.flash_attn_with_kvcache(x, k_cache, v_cache,
+                                                                                     cache_seqlens=seqlens)),
+        "standard_attention": (q, lambda x: flashkernel.standard_attention(x, k, v)),
+        "DecodePlan.run": (qc, lambda x: decode_plan.run(x, k_cache, v_cache)),
+        "VarlenPlan.run": (q[0], lambda x: varlen_plan.run(x, *packed[1:3])),
+    }
+    for name, (x, call) in calls.items():
+        with pytest.raises(NotImplementedError, match=f"{name} has no forward-mode derivative"):
+            torch.func.jvp(call, (x,), (torch.randn_like(x),))
+        with forward_ad.dual_level():
+            with pytest.raises(NotImplementedError, match=f"{name} has no forward-mode derivative"):
+                call(forward_ad.make_dual(x, torch.randn_like(x)))
+            assert torch.equal(call(x), call(x))  # inputs without a tangent: as outside a dual level
 
 
 @pytest.mark.parametrize("fn", ["flash_attn_with_kvcache", "standard_attention"])
@@ -834,8 +905,17 @@ def test_plans_refuse_other_layouts_and_grads():
         plan.run(q, torch.randn(2, 41, 2, 32, dtype=torch.float16, device=DEVICE), v_cache)
     with pytest.raises(ValueError, match="k was not given when the plan was made"):
         plan.run(q, k_cache, v_cache, k=q[:, :, :2], v=q[:, :, :2])
-    with pytest.raises(RuntimeError, match="DecodePlan.run has no backward"):
-        plan.run(q.clone().requires_grad_(True), k_cache, v_cache)
+    for name in ("q", "k_cache", "v_cache"):  # every tensor of a run, as flash_attn_with_kvcache checks them
+        inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        inputs[name] = inputs[name].clone().requires_grad_(True)
+        with pytest.raises(RuntimeError, match=f"DecodePlan.run has no backward, and {name} requires grad"):
+            plan.run(**inputs)
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="DecodePlan has no backward, and sinks requires grad"):
+        flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens, sinks=sinks)
+    empty = flashkernel.DecodePlan(q[:0], k_cache[:0], v_cache[:0], cache_seqlens=seqlens[:0])
+    with pytest.raises(RuntimeError, match="DecodePlan.run has no backward, and q requires grad"):
+        empty.run(q[:0].clone().requires_grad_(True), k_cache[:0], v_cache[:0])
     for grad in (False, True):
         with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="v_cache must be a torch.Tensor"):
             plan.run(q, k_cache, v_cache.tolist())
@@ -857,6 +937,28 @@ def test_varlen_plan_runs_each_layer_like_the_function():
     for grad in (False, True):
         with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="k must be a torch.Tensor"):
             plan.run(layers[0][0], layers[0][1].tolist(), layers[0][2])
+
+
+def test_varlen_plan_refuses_gradients_the_function_would_take():
+    """The function records a backward; a plan's run has none, so it refuses rather than return
+    an output without ``grad_fn``."""
+    cu = torch.tensor([0, 5, 5, 19], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(19, h, 32, dtype=torch.float16, device=DEVICE) for h in (4, 2, 2))
+    plan = flashkernel.VarlenPlan(q, k, v, cu, cu, 14, 14, causal=True)
+    plan.run(q, k, v)
+    for name in ("q", "k", "v"):
+        inputs = {"q": q, "k": k, "v": v}
+        inputs[name] = inputs[name].clone().requires_grad_(True)
+        with pytest.raises(RuntimeError, match=f"VarlenPlan.run has no backward, and {name} requires grad.*"
+                                               "flash_attn_varlen_func"):
+            plan.run(**inputs)
+        with torch.no_grad():
+            plan.run(**inputs)
+    with pytest.raises(RuntimeError, match="VarlenPlan has no backward, and sinks requires grad"):
+        flashkernel.VarlenPlan(q, k, v, cu, cu, 14, 14, sinks=torch.randn(4, device=DEVICE, requires_grad=True))
+    empty = flashkernel.VarlenPlan(q[:0], k[:0], v[:0], cu[:1], cu[:1], 0, 0)
+    with pytest.raises(RuntimeError, match="VarlenPlan.run has no backward"):
+        empty.run(q[:0].clone().requires_grad_(True), k[:0], v[:0])
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type_name(x)}")
 
 
 def check_rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:
@@ -39,7 +39,16 @@ def check_rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:
 def check_dtype(name: str, x: torch.Tensor) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         accepted = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; supported dtypes are {accepted}")
+        hint = ("; for float64 (gradient checks) use flashkernel.reference.attention, the float64 spec"
+                if x.dtype == torch.float64 else "")
+        raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; supported dtypes are {accepted}{hint}")
+
+
+def type_name(value) -> str:
+    """``value``'s type as an error message names it: qualified outside the builtins (``numpy.bool``
+    is not ``bool``)."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def check_same_dtype(names_and_tensors) -> None:
@@ -106,7 +115,7 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(
-            f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__} "
+            f"softmax_scale must be a real number or None, got {type_name(softmax_scale)} "
             f"{softmax_scale!r}"
         )
     value = float(softmax_scale)
@@ -125,7 +134,7 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 
 def check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a bool, got {type_name(value)} {value!r}")
 
 
 def check_qkv(q, k, v, interpreted: bool) -> None:
@@ -248,7 +257,7 @@ def check_new_kv(q, k, v, k_cache) -> None:
     if (k is None) != (v is None):
         raise ValueError(
             f"k and v must be given together (to append them) or both left None; got "
-            f"k={type(k).__name__}, v={type(v).__name__}"
+            f"k={type_name(k)}, v={type_name(v)}"
         )
     if k is None:
         return
@@ -264,7 +273,7 @@ def check_new_kv(q, k, v, k_cache) -> None:
 
 def check_num_splits(num_splits) -> None:
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__} {num_splits!r}")
+        raise TypeError(f"num_splits must be an int, got {type_name(num_splits)} {num_splits!r}")
     if not 0 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(
             f"num_splits must be from 0 (automatic) to {MAX_NUM_SPLITS}, got {num_splits}"
@@ -273,7 +282,7 @@ def check_num_splits(num_splits) -> None:
 
 def check_optional_flag(name: str, value) -> None:
     if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a bool or None, got {type_name(value)} {value!r}")
 
 
 def check_cache_dtypes(q, k_cache, v_cache) -> bool:
@@ -497,12 +506,12 @@ def check_window_size(window_size) -> tuple[int, int]:
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(
             f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
-            f"{type(window_size).__name__} {window_size!r}"
+            f"{type_name(window_size)} {window_size!r}"
         )
     for side, value in zip(("left", "right"), window_size):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(
-                f"window_size {side} must be an int, got {type(value).__name__} {value!r}"
+                f"window_size {side} must be an int, got {type_name(value)} {value!r}"
             )
         if value < -1:
             raise ValueError(
@@ -515,7 +524,7 @@ def check_window_size(window_size) -> tuple[int, int]:
 def check_softcap(softcap) -> float:
     """A finite real ``>= 0``; 0 turns the cap off."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__} {softcap!r}")
+        raise TypeError(f"softcap must be a real number, got {type_name(softcap)} {softcap!r}")
     value = float(softcap)
     if not 0 <= value < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
         raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {softcap!r}")
@@ -574,7 +583,7 @@ def check_max_seqlen(name: str, value) -> int:
     if isinstance(value, torch.SymInt):  # traced with dynamic shapes: checked when it is concrete
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int, got {type_name(value)} {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return int(value)

@@ -264,6 +264,7 @@ def flash_attn_func(
         >>> out = flash_attn_func(q, k, v, causal=True)        # [2, 1024, 32, 128]
     """
     tensors = (q, k, v, alibi_slopes, sinks)
+    ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_func")
     results, probe, key = _lookup("fwd", (causal, softmax_scale, softcap, return_lse, deterministic, backend),
                                   window_size, tensors)
     if results is not None:
@@ -352,6 +353,7 @@ def flash_attn_varlen_func(
         >>> out = flash_attn_varlen_func(q, k, torch.randn_like(k), cu, cu, 300, 300, causal=True)
     """
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_varlen_func")
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call
         results, probe, key = _lookup("varlen", (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap,
@@ -403,6 +405,7 @@ def standard_attention(
     probability matrix in the input dtype), so it is for measurement, not for production.
     """
     scale = _validate_dense(q, k, v, causal, softmax_scale, return_lse)
+    ops.check_no_forward_ad((q, k, v), "flashkernel.standard_attention")
     batch, seqlen_q, num_heads, _ = q.shape
     if batch * num_heads > MAX_NAIVE_ROWS:
         raise ValueError(
@@ -590,6 +593,7 @@ def flash_attn_with_kvcache(
     # quantized cache never replays the launches of a call over another format or granularity.
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
                v_scale)
+    ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_with_kvcache")
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call
         results, probe, key = _lookup("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate,

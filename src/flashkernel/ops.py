@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.autograd import forward_ad
 
 from .kernels import dispatch
 from .kernels._launch import CallCache, allocate, layouts, stream_capturing
@@ -244,8 +245,9 @@ def bwd_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seql
     the gradients are bitwise reproducible (the Triton kernels, no float atomics)."""
     from .kernels.backward import attention_backward
 
-    dq, dk, dv = (allocate(x.shape, x.dtype, x.device) for x in (q, k, v))
     varlen = cu_seqlens_q is not None
+    _check_backward_shapes(dout, q, out, lse, dlse, varlen)
+    dq, dk, dv = (allocate(x.shape, x.dtype, x.device) for x in (q, k, v))
     with on_device(q):
         dsinks = attention_backward(
             dout, q, k, v, out, lse, dq, dk, dv, causal=causal, softmax_scale=softmax_scale,
@@ -256,6 +258,21 @@ def bwd_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seql
     if dsinks is None:
         dsinks = allocate(_EMPTY_LSE_SHAPE, torch.float32, q.device)
     return dq, dk, dv, dsinks
+
+
+def _check_backward_shapes(dout, q, out, lse, dlse, varlen: bool) -> None:
+    """The backward op's own check of what it reads besides q, k and v (which its forward
+    validated): ``dout`` and ``out`` shaped like ``q``, ``lse`` (and ``dlse``) the forward's float32
+    LSE, ``[Hq, total_q]`` packed or ``[B, Hq, Sq]``. A call of the op by hand gets a clear error,
+    not a read past an LSE the forward did not return."""
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    for name, x, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, lse_shape),
+                           ("dlse", dlse, lse_shape)):
+        if x is not None and tuple(x.shape) != tuple(shape):
+            raise ValueError(f"flashkernel::bwd: {name} has shape {tuple(x.shape)}, expected {tuple(shape)} (from q "
+                             f"{tuple(q.shape)}); pass the forward's outputs, its LSE asked for with return_lse=True")
+    if lse.dtype != torch.float32:
+        raise ValueError(f"flashkernel::bwd: lse has dtype {lse.dtype}, expected torch.float32 (the forward's LSE)")
 
 
 @torch.library.custom_op("flashkernel::bwd", mutates_args=())
@@ -286,24 +303,35 @@ def _contiguous_last(x):
 
 
 def _setup_fwd(ctx, inputs, output):
-    q, k, v, alibi_slopes, sinks, causal, scale, window_left, window_right, softcap, _, _, deterministic = inputs
+    q, k, v, alibi_slopes, sinks, causal, scale, window_left, window_right, softcap, return_lse, backend, \
+        deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
     ctx.packed = None
     ctx.scalars = (causal, scale, window_left, window_right, softcap)
-    ctx.deterministic = deterministic
+    ctx.lse_returned, ctx.backend, ctx.deterministic = return_lse, backend, deterministic
     ctx.set_materialize_grads(False)
 
 
 def _setup_varlen_fwd(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, causal, scale,
-     window_left, window_right, softcap, _, _, deterministic) = inputs
+     window_left, window_right, softcap, return_lse, backend, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
     ctx.packed = (max_seqlen_q, max_seqlen_k)
     ctx.scalars = (causal, scale, window_left, window_right, softcap)
-    ctx.deterministic = deterministic
+    ctx.lse_returned, ctx.backend, ctx.deterministic = return_lse, backend, deterministic
     ctx.set_materialize_grads(False)
+
+
+def _forward_lse(ctx, q, k, v, alibi_slopes, sinks, cu_q, cu_k) -> torch.Tensor:
+    """The LSE of a forward that was called without it (an op called directly with
+    ``return_lse=False``; the public functions ask for it whenever autograd records the call): the
+    forward again, with it."""
+    tail = (*ctx.scalars, True, ctx.backend, ctx.deterministic)
+    if ctx.packed:
+        return torch.ops.flashkernel.varlen_fwd(q, k, v, cu_q, cu_k, *ctx.packed, alibi_slopes, sinks, *tail)[1]
+    return torch.ops.flashkernel.fwd(q, k, v, alibi_slopes, sinks, *tail)[1]
 
 
 def _backward(ctx, dout, dlse):
@@ -314,8 +342,9 @@ def _backward(ctx, dout, dlse):
     max_q, max_k = ctx.packed or (0, 0)
     if dout is None:
         dout = torch.zeros_like(out)
-    if dlse is not None and lse.numel() == 0:
-        dlse = None  # the LSE was not returned: nothing flows into it
+    if not ctx.lse_returned:
+        dlse = None  # nothing flows into an LSE that was not returned
+        lse = _forward_lse(ctx, q, k, v, alibi_slopes, sinks, cu_q, cu_k)
     dq, dk, dv, dsinks = torch.ops.flashkernel.bwd(
         _contiguous_last(dout), q, k, v, out, lse, alibi_slopes, sinks, cu_q, cu_k, max_q, max_k, *ctx.scalars,
         _contiguous_last(dlse), ctx.deterministic)
@@ -381,13 +410,42 @@ def output_without_keys(q, k, v) -> torch.Tensor:
 def check_no_grad(op: str, tensors, what: str) -> None:
     """Raise when gradients are wanted through ``op``, which has no backward: better than an
     output that silently has no ``grad_fn``."""
-    if op in _BACKWARD_OPS or not torch.is_grad_enabled():
+    if op not in _BACKWARD_OPS:
+        refuse_grad(tensors, what)
+
+
+def refuse_grad(tensors, what: str, hint: str = "") -> None:
+    """Raise when gradients are wanted through ``what`` (grad mode on, one of the ``(name,
+    tensor)`` pairs requiring grad), which records no backward; ``hint`` ends the message."""
+    if not torch.is_grad_enabled():
         return
     for name, t in tensors:
         if getattr(t, "requires_grad", False):  # None or not a tensor (validation names it): no
             raise RuntimeError(
                 f"{what} has no backward, and {name} requires grad: call it under torch.no_grad() or "
-                f"torch.inference_mode(), or pass {name}.detach()")
+                f"torch.inference_mode(), or pass {name}.detach(){hint}")
+
+
+def check_no_forward_ad(tensors, what: str) -> None:
+    """Raise when one of ``tensors`` carries a forward-mode tangent (``torch.func.jvp``,
+    ``torch.autograd.forward_ad``): the ops have no forward-mode formula, and PyTorch would
+    otherwise return the output with a zero tangent, or none, without a word. Costs one attribute
+    read while no dual level is active."""
+    if getattr(forward_ad, "_current_level", 0) < 0:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and _has_tangent(t):
+            raise NotImplementedError(
+                f"{what} has no forward-mode derivative, and one of its inputs carries a tangent (torch.func.jvp "
+                "or torch.autograd.forward_ad): compute the tangent with flashkernel.reference.attention "
+                "(float64, differentiable in both modes) or PyTorch's scaled_dot_product_attention")
+
+
+def _has_tangent(t: torch.Tensor) -> bool:
+    try:
+        return forward_ad.unpack_dual(t).tangent is not None
+    except RuntimeError:  # a transform inside jvp (vmap) cannot unpack it: it may carry one
+        return True
 
 
 def needs_grad(tensors) -> bool:

@@ -19,7 +19,11 @@ device. Example (one decode step of a 32-layer model over a paged cache)::
         out = plan.run(q[layer], k_caches[layer], v_caches[layer], k=k[layer], v=v[layer])
 
 A plan holds the lengths and block table it was made with (not copies): update them in place
-between steps and make a new plan when shapes or variants change. Results are bit-identical to
+between steps and make a new plan when shapes or variants change. Values written in place are
+not checked again (that would read them back from the device every step): keep each length
+within the cache's capacity (with the step's new tokens) and every block-table entry that the
+lengths reach a page of the pool. Past those, results are unspecified (an append past the
+capacity is dropped); a new plan with ``validate=True``, or the function, checks them. Results are bit-identical to
 :func:`flashkernel.flash_attn_with_kvcache` / :func:`flashkernel.flash_attn_varlen_func` with
 the same arguments.
 """
@@ -209,7 +213,8 @@ class DecodePlan(_Plan):
     ``block_table``, ``cache_leftpad``, ``alibi_slopes`` and ``sinks`` are kept (not copied: update
     them in place between steps); the values of the lengths, block table and key starts are
     checked now with ``validate=True`` (one device-to-host copy per plan), or when they are on the
-    CPU with ``validate=None``. ``q``, ``k_cache``, ``v_cache``, ``k``, ``v`` and a quantized
+    CPU with ``validate=None``, and not at each run (the module's docstring says what in-place
+    updates must keep). ``q``, ``k_cache``, ``v_cache``, ``k``, ``v`` and a quantized
     cache's ``k_scale``, ``v_scale`` are examples: each :meth:`run` takes its layer's, which must
     have the same shapes, strides, dtypes and device.
     """
@@ -226,6 +231,7 @@ class DecodePlan(_Plan):
         super().__init__(("q", "k_cache", "v_cache", "k", "v", "k_scale", "v_scale"),
                          (q, k_cache, v_cache, k, v, k_scale, v_scale))
         self.empty = q.numel() == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0
+        ops.refuse_grad((("sinks", sinks),), "DecodePlan")
         self._fixed = (cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
         self._keep(("cache_seqlens", "block_table", "cache_leftpad", "alibi_slopes", "sinks"), self._fixed)
         self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
@@ -240,17 +246,22 @@ class DecodePlan(_Plan):
         allocation per layer; contiguous is fastest), not overlapping the inputs; it is returned.
         """
         tensors = (q, k_cache, v_cache, k, v, k_scale, v_scale)
+        ops.check_no_forward_ad(tensors, "DecodePlan.run")
         if self.empty:
+            ops.refuse_grad(zip(self._names, tensors), "DecodePlan.run")
             if out is not None:
                 self._check_out(out, tensors)
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
             results = self._replayed(tensors, self._fixed, out)
             if results is None:
-                ops.check_no_grad("kvcache_fwd", (("q", q), ("k", k), ("v", v)), "DecodePlan.run")
+                ops.refuse_grad(zip(self._names, tensors), "DecodePlan.run")
                 results = self._run(tensors, self._fixed, lambda: ops.kvcache_fwd_impl(
                     q, k_cache, v_cache, k, v, *self._fixed, k_scale, v_scale, *self._scalars), out)
         return results if self.return_lse else results[0]
+
+
+_TRAIN_WITH_THE_FUNCTION = "; to train, call flash_attn_varlen_func, which has one"
 
 
 class VarlenPlan(_Plan):
@@ -279,6 +290,7 @@ class VarlenPlan(_Plan):
             _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_q, max_k)
         super().__init__(("q", "k", "v"), (q, k, v))
         self.empty = batch == 0 or q.shape[0] == 0 or k.shape[0] == 0 or max_q == 0
+        ops.refuse_grad((("sinks", sinks),), "VarlenPlan", _TRAIN_WITH_THE_FUNCTION)
         self._fixed = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
         self._keep(("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks"), self._fixed)
         self._args = (cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks, causal, scale, *window, cap,
@@ -288,13 +300,15 @@ class VarlenPlan(_Plan):
     def run(self, q, k, v, *, out=None):
         """Attention for one layer: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``; ``out``
         as in :meth:`DecodePlan.run`."""
+        ops.check_no_forward_ad((q, k, v), "VarlenPlan.run")
         if self.empty:
+            ops.refuse_grad((("q", q), ("k", k), ("v", v)), "VarlenPlan.run", _TRAIN_WITH_THE_FUNCTION)
             if out is not None:
                 self._check_out(out, (q, k, v))
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
             results = self._replayed((q, k, v), self._fixed, out)
             if results is None:
-                ops.check_no_grad("varlen_fwd", (("q", q), ("k", k), ("v", v)), "VarlenPlan.run")
+                ops.refuse_grad((("q", q), ("k", k), ("v", v)), "VarlenPlan.run", _TRAIN_WITH_THE_FUNCTION)
                 results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args), out)
         return results if self.return_lse else results[0]
