@@ -172,6 +172,58 @@ def test_packed_sequences_attend_only_their_own_tokens():
         assert (got - alone).abs().max().item() < 1e-4
 
 
+def test_packed_positions_compiled_equal_eager_and_a_gap_is_no_new_sequence():
+    """Traced (torch.compile, fullgraph), restarting positions still keep packed sequences apart
+    (fixed-size offsets, no graph break), as in eager mode; positions that skip ahead without
+    restarting are one sequence, as transformers' FlashAttention integration reads them."""
+    ref, ours = tiny_models("llama")
+    lengths = (9, 11)
+    seqs = torch.randint(1, TINY["vocab_size"], (1, sum(lengths)), device=DEVICE)
+    restarting = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
+    skipping = torch.cat([torch.arange(lengths[0]), torch.arange(lengths[1]) + 15])[None].to(DEVICE)
+    compiled = copy.deepcopy(ours)
+    compiled.forward = torch.compile(compiled.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        alone = torch.cat([ref(seqs[:, :lengths[0]]).logits, ref(seqs[:, lengths[0]:]).logits], 1)
+        for model in (ours, compiled):
+            assert (model(seqs, position_ids=restarting).logits - alone).abs().max().item() < 1e-4
+        one_sequence = ref(seqs, position_ids=skipping, attention_mask=torch.ones_like(seqs)).logits
+        assert (ours(seqs, position_ids=skipping).logits - one_sequence).abs().max().item() < 1e-4
+
+
+def test_masks_it_cannot_compute_are_refused():
+    """Llama 4's chunked attention (by its mask function in eager mode, by its config in both), a
+    padding mask with a hole, and the attention registered without its mask function: each an
+    error, not a silently wrong result; output_attentions warns that no weights come back."""
+    masking = transformers.masking_utils
+    chunked = masking.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="chunked_overlay.*use attn_implementation='sdpa'"):
+        fk_hf.key_spans_mask(1, 20, 20, mask_function=chunked)
+    assert fk_hf.key_spans_mask(1, 20, 20, mask_function=masking.sliding_window_causal_mask_function(8)) is None
+    attn = tiny_models("llama")[1].model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16, device=DEVICE)
+    k = v = torch.randn(1, 2, 3, 16, device=DEVICE)
+    attn.config.attention_chunk_size = 8
+    with pytest.raises(NotImplementedError, match="chunked attention \\(attention_chunk_size=8\\)"):
+        fk_hf.attention_forward(attn, q, k, v, None)
+    attn.config.attention_chunk_size = None
+    with pytest.warns(UserWarning, match="does not return attention weights"):
+        fk_hf._WARNED.discard("output_attentions")
+        fk_hf.attention_forward(attn, q, k, v, None, output_attentions=True)
+    hole = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"padding between valid tokens in row\(s\) \[1\]"):
+        fk_hf.key_spans_mask(2, 6, 6, attention_mask=hole)
+    transformers.AttentionInterface.register("fk_without_masks", fk_hf.attention_forward)
+    try:
+        _, model = tiny_models("llama")
+        model.set_attn_implementation("fk_without_masks")
+        ids, mask = padded_batch()
+        with pytest.raises(TypeError, match="'fk_without_masks' runs flashkernel's attention without its mask"):
+            model(ids, attention_mask=mask)
+    finally:
+        transformers.AttentionInterface._global_mapping.pop("fk_without_masks")
+
+
 def test_inference_mode_generations_and_packed_inputs_equal_no_grad():
     """Under ``torch.inference_mode`` (inference tensors have no version counter, which the
     per-forward memos read otherwise) a padded batch generates the same tokens as under no_grad,

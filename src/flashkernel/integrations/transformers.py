@@ -36,8 +36,10 @@ How each call runs (``q_len`` new tokens against ``kv_len`` keys):
   its keys, the padding or unused cache after them) so the sequences tile the rows exactly: no
   gather, no host synchronisation, and the padding rows only ever attend padding.
 * **packed** inputs (batch 1, several sequences one after the other): ``flash_attn_varlen_func``
-  with transformers' ``cu_seq_lens_*`` arguments, or offsets found from ``position_ids``
-  (in eager mode: one device-to-host copy per forward).
+  with transformers' ``cu_seq_lens_*`` arguments, or offsets found from ``position_ids`` as
+  transformers' FlashAttention integration finds them (a sequence starts where the position is
+  the smallest): in eager mode with one device-to-host copy per forward, under torch.compile as
+  offsets of a fixed size (:func:`_packed_offsets`).
 
 The mask function (:func:`key_spans_mask`) runs once per forward: it turns transformers' 2-D
 padding mask and the cache's offsets into each sequence's key span ``(start, end, existing)``,
@@ -51,18 +53,22 @@ packed-input check read values.
 
 Each sequence's valid keys must be one run of its padding mask (left padding, or right padding
 that is not followed by generated tokens, as transformers' ``generate`` requires of decoder-only
-models); a mask with holes inside a sequence is read as the run from its first to its last valid
-key.
+models): in eager mode a mask with a hole inside a sequence raises (checked in the copy above);
+a traced call cannot check it and reads the run from the first to the last valid key. Masks
+that are not causal, bidirectional or a sliding window over padded or packed sequences (Llama
+4's chunked attention, blockwise overlays, custom mask functions) raise: use ``sdpa`` for them.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers import masking_utils
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "flashkernel.integrations.transformers needs Hugging Face transformers 5.x: "
@@ -118,12 +124,13 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             "flashkernel's attention computes causal and sliding-window masks with padding; this model asks for a "
             "custom mask (or_mask_function / and_mask_function), which it cannot express: use attn_implementation="
             "'sdpa' for it")
+    _check_mask_function(mask_function)
     if device is None:
         device = attention_mask.device if attention_mask is not None else torch.device("cpu")
     padding = _padding_columns(attention_mask, kv_length, kv_offset)
     existing = q_offset + q_length - kv_offset
     if (padding is not None and isinstance(existing, int) and not torch.compiler.is_compiling()
-            and bool(padding[:, :existing].all())):  # one device-to-host copy, as transformers' sdpa mask makes
+            and _all_valid(padding[:, :existing])):  # one device-to-host copy, as transformers' sdpa mask makes
         padding = None
     if padding is None and isinstance(existing, int):
         if existing == kv_length and q_length > DECODE_MAX_QUERIES:
@@ -144,6 +151,63 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         start = torch.where(found, first, existing)
         end = torch.where(found, after_last, existing)
     return torch.stack((start, end, existing), -1).to(torch.int32).view(batch_size, 1, 1, SPAN_FIELDS)
+
+
+def _all_valid(padding: torch.Tensor) -> bool:
+    """Whether the padding mask ``[B, existing]`` (bool) pads nothing (one device-to-host copy);
+    where it does, raises if a sequence's valid columns are not one run (a hole: right padding
+    followed by generated tokens, say), with a second copy."""
+    if bool(padding.all()):
+        return True
+    rises = padding[:, 1:] & ~padding[:, :-1]  # a valid column after a padded one
+    holes = rises.sum(-1) + padding[:, 0] > 1
+    if bool(holes.any()):
+        rows = holes.nonzero().flatten().tolist()
+        raise ValueError(
+            f"the attention mask has padding between valid tokens in row(s) {rows}: flashkernel reads each sequence's "
+            "keys as one run of its mask (left padding, or right padding with nothing generated after it); "
+            "left-pad the prompts (tokenizer.padding_side = 'left'), or use attn_implementation='sdpa'")
+    return False
+
+
+# The parts of transformers' mask functions this attention computes itself, recognised by their
+# code objects (masking_utils makes them as closures): causal or bidirectional attention, a sliding
+# window (the attention gets it as its ``sliding_window`` argument), packed sequences (found from
+# ``position_ids`` here too), and their intersection.
+def _closure_code(factory: str, *args):
+    make = getattr(masking_utils, factory, None)
+    return make(*args).__code__ if make is not None else None
+
+
+_PLAIN_MASKS = tuple(getattr(masking_utils, name, None) for name in ("causal_mask_function",
+                                                                     "bidirectional_mask_function"))
+_AND_CODE = _closure_code("and_masks", masking_utils.causal_mask_function)
+_PART_CODES = (_closure_code("sliding_window_overlay", 1), _closure_code("packed_sequence_mask_function",
+                                                                         torch.zeros(1, 1)))
+
+
+def _check_mask_function(mask_function) -> None:
+    """Raise for a mask this attention does not compute (and would otherwise ignore): anything
+    but causal or bidirectional attention, a sliding window and packed sequences, e.g. Llama 4's
+    chunked attention or a blockwise overlay. An intersection's parts are checked in eager mode
+    only (torch.compile cannot trace a closure's cells); :func:`_check_model` refuses chunked
+    attention by the model's config in both."""
+    if mask_function is None or mask_function in _PLAIN_MASKS:
+        return
+    code = getattr(mask_function, "__code__", None)
+    if code is not None and code in _PART_CODES:
+        return
+    if code is not None and code is _AND_CODE:
+        if not torch.compiler.is_compiling():
+            parts = next((cell.cell_contents for cell in mask_function.__closure__ or ()
+                          if isinstance(cell.cell_contents, tuple)), ())
+            for part in parts:
+                _check_mask_function(part)
+        return
+    raise NotImplementedError(
+        "flashkernel's attention computes causal, bidirectional and sliding-window attention over padded or packed "
+        f"sequences; this model's mask is built from {getattr(mask_function, '__qualname__', mask_function)!r} (Llama "
+        "4's chunked attention, say), which it cannot express: use attn_implementation='sdpa' for this model")
 
 
 def _padding_columns(attention_mask, kv_length: int, kv_offset: int) -> torch.Tensor | None:
@@ -254,9 +318,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(
             f"flashkernel needs one head dim for queries and values, got {query.shape[-1]} and {value.shape[-1]}")
+    _check_model(module)
+    if kwargs.get("output_attentions"):
+        _warn_no_attention_weights()
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     spans = _key_spans(attention_mask)
-    if cu_seq_lens_q is None and q.shape[0] == 1 and q.shape[1] == k.shape[1] > 1:
+    if cu_seq_lens_q is None and q.shape[0] == 1 and q.shape[1] == k.shape[1] > 1 and position_ids is not None:
         cu_seq_lens_q, max_length_q = _packed_offsets(position_ids)
         cu_seq_lens_k, max_length_k = cu_seq_lens_q, max_length_q
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
@@ -302,42 +369,93 @@ def _padded(q, k, v, spans, causal: bool, variant: dict) -> torch.Tensor:
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, variant: dict) -> torch.Tensor:
-    """Batch 1 holding several sequences end to end (``q [1, T, Hq, D]``)."""
-    _, total, num_heads, head_dim = q.shape
+    """Sequences end to end in the rows of ``q [B, T, Hq, D]`` (and ``k, v``), the rows one after
+    the other: ``cu_q``/``cu_k`` over the ``B * T`` tokens."""
+    batch, total, num_heads, head_dim = q.shape
     max_q = max_q if isinstance(max_q, int) else total  # a bound is enough: no device-to-host copy
     max_k = max_k if isinstance(max_k, int) else k.shape[1]
-    out = flash_attn_varlen_func(q[0], k[0], v[0], cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+    rows = (q[0], k[0], v[0]) if batch == 1 else (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    out = flash_attn_varlen_func(*rows, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                                  causal=causal, **variant)
-    return out.view(1, total, num_heads, head_dim)
+    return out.view(batch, total, num_heads, head_dim)
 
 
 _OFFSETS_OF_POSITIONS = _PerTensorMemo(1)
 
 
-def _packed_offsets(position_ids: torch.Tensor | None):
-    """``(cu_seqlens int32, max_seqlen)`` of the sequences packed into batch 1 (a sequence starts
-    wherever a position is not its predecessor's plus one), or ``(None, None)`` for one sequence,
-    no ``position_ids``, or a trace (torch.compile: pass ``cu_seq_lens_*`` instead). Eager: one
-    device-to-host copy per forward (the answer is kept for the same, unmodified tensor)."""
-    if position_ids is None or torch.compiler.is_compiling():
-        return None, None
+def _packed_offsets(position_ids: torch.Tensor):
+    """``(cu_seqlens int32, max_seqlen)`` of the sequences packed into batch 1, as transformers'
+    FlashAttention integration finds them: a sequence starts wherever the position is the
+    smallest one (0), so one sequence whose positions skip ahead stays one; ``(None, None)`` when
+    the positions are one run from the smallest. Eager: one device-to-host copy per forward (the
+    answer is kept for the same, unmodified tensor). Traced (torch.compile), where values cannot
+    be read: offsets of a fixed size, one per token (the sequences' starts, then empty sequences
+    at the end), so the graph stays whole and packed inputs stay apart; their launch covers one
+    query tile per token (cheap, but not free: pass ``cu_seq_lens_*`` to avoid it)."""
+    positions = position_ids.reshape(-1)
+    tokens = positions.numel()
+    if torch.compiler.is_compiling():
+        index = torch.arange(tokens, device=positions.device)
+        starts = (positions == positions.min()) | (index == 0)
+        cu = torch.cat((torch.where(starts, index, tokens).sort().values, index.new_full((1,), tokens)))
+        return cu.to(torch.int32), tokens
     keep = _OFFSETS_OF_POSITIONS.usable(position_ids)
     if keep:
         value = _OFFSETS_OF_POSITIONS.get(position_ids)
         if value is not None:
             return value
-    positions = position_ids.reshape(-1)
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[1:] = positions[1:] != positions[:-1] + 1
+    starts = positions == positions.min()
+    starts[0] = True
     first = starts.nonzero().flatten()  # one device-to-host copy
     if first.numel() <= 1:
         value = (None, None)
     else:
-        cu = torch.cat((first, first.new_tensor([positions.numel()]))).to(torch.int32)
+        cu = torch.cat((first, first.new_tensor([tokens]))).to(torch.int32)
         value = (cu, int((cu[1:] - cu[:-1]).max()))
     if keep:
         _OFFSETS_OF_POSITIONS.put(position_ids, value)
     return value
+
+
+def _check_model(module) -> None:
+    """Raise for a model this attention would compute wrongly: chunked attention (Llama 4's
+    ``attention_chunk_size``, which torch.compile hides from :func:`_check_mask_function`), and a
+    name registered without :func:`key_spans_mask` (:func:`_check_mask_function_registered`)."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        raise NotImplementedError(
+            f"this model uses chunked attention (attention_chunk_size={chunk}), which flashkernel's attention cannot "
+            "express: use attn_implementation='sdpa' for it")
+    _check_mask_function_registered(module)
+
+
+def _check_mask_function_registered(module) -> None:
+    """Raise unless transformers builds this model's masks with :func:`key_spans_mask`: without it
+    transformers passes no mask at all (its mask interface has no entry for the name), and
+    padding would be attended, silently. Checked once per implementation name."""
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if name is None or name in _NAMES_WITH_OUR_MASKS:
+        return
+    mapping = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
+    if name in mapping and mapping[name] is key_spans_mask:
+        _NAMES_WITH_OUR_MASKS.add(name)
+        return
+    raise TypeError(
+        f"attn_implementation {name!r} runs flashkernel's attention without its mask function, so padding would be "
+        "attended: use flashkernel.integrations.transformers.register() and the name "
+        f"{NAME!r}, or register key_spans_mask under {name!r} with AttentionMaskInterface as well")
+
+
+_NAMES_WITH_OUR_MASKS: set = set()
+_WARNED: set = set()
+
+
+def _warn_no_attention_weights() -> None:
+    if "output_attentions" not in _WARNED:
+        _WARNED.add("output_attentions")
+        warnings.warn("flashkernel's attention does not return attention weights (output_attentions=True): "
+                      "they come back as None; use attn_implementation='eager' to get them", stacklevel=3)
 
 
 # ---- continuous batching -----------------------------------------------------------------------
