@@ -913,6 +913,11 @@ def test_plans_refuse_other_layouts_and_grads():
     sinks = torch.randn(4, device=DEVICE, requires_grad=True)
     with pytest.raises(RuntimeError, match="DecodePlan has no backward, and sinks requires grad"):
         flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens, sinks=sinks)
+    with torch.no_grad():
+        planned = flashkernel.DecodePlan(q, k_cache, v_cache, cache_seqlens=seqlens, sinks=sinks)
+        planned.run(q, k_cache, v_cache)
+    with pytest.raises(RuntimeError, match="DecodePlan.run has no backward, and sinks requires grad"):
+        planned.run(q, k_cache, v_cache)
     empty = flashkernel.DecodePlan(q[:0], k_cache[:0], v_cache[:0], cache_seqlens=seqlens[:0])
     with pytest.raises(RuntimeError, match="DecodePlan.run has no backward, and q requires grad"):
         empty.run(q[:0].clone().requires_grad_(True), k_cache[:0], v_cache[:0])
@@ -954,8 +959,14 @@ def test_varlen_plan_refuses_gradients_the_function_would_take():
             plan.run(**inputs)
         with torch.no_grad():
             plan.run(**inputs)
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
     with pytest.raises(RuntimeError, match="VarlenPlan has no backward, and sinks requires grad"):
-        flashkernel.VarlenPlan(q, k, v, cu, cu, 14, 14, sinks=torch.randn(4, device=DEVICE, requires_grad=True))
+        flashkernel.VarlenPlan(q, k, v, cu, cu, 14, 14, sinks=sinks)
+    with torch.no_grad():  # made without gradients, its runs with them are refused still
+        planned = flashkernel.VarlenPlan(q, k, v, cu, cu, 14, 14, sinks=sinks)
+        planned.run(q, k, v)
+    with pytest.raises(RuntimeError, match="VarlenPlan.run has no backward, and sinks requires grad"):
+        planned.run(q, k, v)
     empty = flashkernel.VarlenPlan(q[:0], k[:0], v[:0], cu[:1], cu[:1], 0, 0)
     with pytest.raises(RuntimeError, match="VarlenPlan.run has no backward"):
         empty.run(q[:0].clone().requires_grad_(True), k[:0], v[:0])

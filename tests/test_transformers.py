@@ -172,21 +172,31 @@ def test_packed_sequences_attend_only_their_own_tokens():
         assert (got - alone).abs().max().item() < 1e-4
 
 
-def test_packed_positions_compiled_equal_eager_and_a_gap_is_no_new_sequence():
-    """Traced (torch.compile, fullgraph), restarting positions still keep packed sequences apart
-    (fixed-size offsets, no graph break), as in eager mode; positions that skip ahead without
-    restarting are one sequence, as transformers' FlashAttention integration reads them."""
+def test_packed_and_padded_batch_of_one_compiled_and_a_gap_in_positions():
+    """Traced (torch.compile, fullgraph): packed sequences given by ``cu_seq_lens_*`` stay apart,
+    and a left-padded batch of one attends no padding (its mask wins over its position_ids).
+    Eager: positions that skip ahead without restarting are one sequence, as transformers'
+    FlashAttention integration reads them."""
     ref, ours = tiny_models("llama")
     lengths = (9, 11)
     seqs = torch.randint(1, TINY["vocab_size"], (1, sum(lengths)), device=DEVICE)
     restarting = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=DEVICE)
     skipping = torch.cat([torch.arange(lengths[0]), torch.arange(lengths[1]) + 15])[None].to(DEVICE)
+    ids, mask = padded_batch((PROMPT - 6,), side="left")
     compiled = copy.deepcopy(ours)
     compiled.forward = torch.compile(compiled.forward, backend="eager", fullgraph=True)
     with torch.no_grad():
         alone = torch.cat([ref(seqs[:, :lengths[0]]).logits, ref(seqs[:, lengths[0]:]).logits], 1)
+        packed = compiled(seqs, position_ids=restarting, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                          max_length_q=max(lengths), max_length_k=max(lengths)).logits
+        assert (packed - alone).abs().max().item() < 1e-4
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        valid = mask[0].bool()
+        unpadded = ref(ids[:, valid]).logits[0]
         for model in (ours, compiled):
-            assert (model(seqs, position_ids=restarting).logits - alone).abs().max().item() < 1e-4
+            got = model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[0, valid]
+            assert (got - unpadded).abs().max().item() < 1e-4
         one_sequence = ref(seqs, position_ids=skipping, attention_mask=torch.ones_like(seqs)).logits
         assert (ours(seqs, position_ids=skipping).logits - one_sequence).abs().max().item() < 1e-4
 

@@ -232,6 +232,7 @@ class DecodePlan(_Plan):
                          (q, k_cache, v_cache, k, v, k_scale, v_scale))
         self.empty = q.numel() == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0
         ops.refuse_grad((("sinks", sinks),), "DecodePlan")
+        self._sinks_want_grad = sinks is not None and sinks.requires_grad  # made under no_grad: run checks
         self._fixed = (cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
         self._keep(("cache_seqlens", "block_table", "cache_leftpad", "alibi_slopes", "sinks"), self._fixed)
         self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
@@ -247,6 +248,8 @@ class DecodePlan(_Plan):
         """
         tensors = (q, k_cache, v_cache, k, v, k_scale, v_scale)
         ops.check_no_forward_ad(tensors, "DecodePlan.run")
+        if self._sinks_want_grad:
+            ops.refuse_grad((("sinks", self._fixed[-1]),), "DecodePlan.run")
         if self.empty:
             ops.refuse_grad(zip(self._names, tensors), "DecodePlan.run")
             if out is not None:
@@ -291,6 +294,7 @@ class VarlenPlan(_Plan):
         super().__init__(("q", "k", "v"), (q, k, v))
         self.empty = batch == 0 or q.shape[0] == 0 or k.shape[0] == 0 or max_q == 0
         ops.refuse_grad((("sinks", sinks),), "VarlenPlan", _TRAIN_WITH_THE_FUNCTION)
+        self._sinks_want_grad = sinks is not None and sinks.requires_grad  # made under no_grad: run checks
         self._fixed = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
         self._keep(("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks"), self._fixed)
         self._args = (cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks, causal, scale, *window, cap,
@@ -301,6 +305,8 @@ class VarlenPlan(_Plan):
         """Attention for one layer: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``; ``out``
         as in :meth:`DecodePlan.run`."""
         ops.check_no_forward_ad((q, k, v), "VarlenPlan.run")
+        if self._sinks_want_grad:
+            ops.refuse_grad((("sinks", self._fixed[-1]),), "VarlenPlan.run", _TRAIN_WITH_THE_FUNCTION)
         if self.empty:
             ops.refuse_grad((("q", q), ("k", k), ("v", v)), "VarlenPlan.run", _TRAIN_WITH_THE_FUNCTION)
             if out is not None:

@@ -35,11 +35,13 @@ How each call runs (``q_len`` new tokens against ``kv_len`` keys):
   flattened to rows, cut into three packed sequences per sequence (the padding before its keys,
   its keys, the padding or unused cache after them) so the sequences tile the rows exactly: no
   gather, no host synchronisation, and the padding rows only ever attend padding.
-* **packed** inputs (batch 1, several sequences one after the other): ``flash_attn_varlen_func``
-  with transformers' ``cu_seq_lens_*`` arguments, or offsets found from ``position_ids`` as
-  transformers' FlashAttention integration finds them (a sequence starts where the position is
-  the smallest): in eager mode with one device-to-host copy per forward, under torch.compile as
-  offsets of a fixed size (:func:`_packed_offsets`).
+* **packed** inputs (batch 1, several sequences one after the other, no padding mask):
+  ``flash_attn_varlen_func`` with transformers' ``cu_seq_lens_*`` arguments, or, in eager mode,
+  offsets found from ``position_ids`` as transformers' FlashAttention integration finds them (a
+  sequence starts where the position is the smallest; one device-to-host copy per forward). A
+  traced call (torch.compile) cannot read positions without a host synchronisation: it takes
+  packed sequences from ``cu_seq_lens_*`` only, and attends across sequences packed by
+  ``position_ids`` alone.
 
 The mask function (:func:`key_spans_mask`) runs once per forward: it turns transformers' 2-D
 padding mask and the cache's offsets into each sequence's key span ``(start, end, existing)``,
@@ -53,8 +55,10 @@ packed-input check read values.
 
 Each sequence's valid keys must be one run of its padding mask (left padding, or right padding
 that is not followed by generated tokens, as transformers' ``generate`` requires of decoder-only
-models): in eager mode a mask with a hole inside a sequence raises (checked in the copy above);
-a traced call cannot check it and reads the run from the first to the last valid key. Masks
+models): in eager mode a mask with a hole inside a sequence raises (one more copy, only for a
+mask that pads something) where the cache's offset is a number (no cache, the dynamic cache); a
+static cache's offset (a tensor) and a traced call skip the check, and read the run from the
+first to the last valid key. Masks
 that are not causal, bidirectional or a sliding window over padded or packed sequences (Llama
 4's chunked attention, blockwise overlays, custom mask functions) raise: use ``sdpa`` for them.
 """
@@ -125,6 +129,8 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             "custom mask (or_mask_function / and_mask_function), which it cannot express: use attn_implementation="
             "'sdpa' for it")
     _check_mask_function(mask_function)
+    if kwargs.get("config") is not None:
+        _check_chunking(kwargs["config"])
     if device is None:
         device = attention_mask.device if attention_mask is not None else torch.device("cpu")
     padding = _padding_columns(attention_mask, kv_length, kv_offset)
@@ -190,7 +196,7 @@ def _check_mask_function(mask_function) -> None:
     """Raise for a mask this attention does not compute (and would otherwise ignore): anything
     but causal or bidirectional attention, a sliding window and packed sequences, e.g. Llama 4's
     chunked attention or a blockwise overlay. An intersection's parts are checked in eager mode
-    only (torch.compile cannot trace a closure's cells); :func:`_check_model` refuses chunked
+    only (torch.compile cannot trace a closure's cells); :func:`_check_chunking` refuses chunked
     attention by the model's config in both."""
     if mask_function is None or mask_function in _PLAIN_MASKS:
         return
@@ -200,7 +206,11 @@ def _check_mask_function(mask_function) -> None:
     if code is not None and code is _AND_CODE:
         if not torch.compiler.is_compiling():
             parts = next((cell.cell_contents for cell in mask_function.__closure__ or ()
-                          if isinstance(cell.cell_contents, tuple)), ())
+                          if isinstance(cell.cell_contents, tuple)), None)
+            if parts is None:
+                raise NotImplementedError(
+                    "flashkernel's attention cannot read the parts of this transformers version's combined mask "
+                    "function (and_masks): use attn_implementation='sdpa'")
             for part in parts:
                 _check_mask_function(part)
         return
@@ -318,12 +328,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(
             f"flashkernel needs one head dim for queries and values, got {query.shape[-1]} and {value.shape[-1]}")
-    _check_model(module)
+    if attention_mask is None:  # also what transformers passes when our mask function is not registered
+        _check_mask_function_registered(module)
     if kwargs.get("output_attentions"):
         _warn_no_attention_weights()
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     spans = _key_spans(attention_mask)
-    if cu_seq_lens_q is None and q.shape[0] == 1 and q.shape[1] == k.shape[1] > 1 and position_ids is not None:
+    if (cu_seq_lens_q is None and spans is None and q.shape[0] == 1 and q.shape[1] == k.shape[1] > 1
+            and position_ids is not None):  # a padding mask wins over position_ids, as in transformers
         cu_seq_lens_q, max_length_q = _packed_offsets(position_ids)
         cu_seq_lens_k, max_length_k = cu_seq_lens_q, max_length_q
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
@@ -372,8 +384,8 @@ def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, variant: dict) -> t
     """Sequences end to end in the rows of ``q [B, T, Hq, D]`` (and ``k, v``), the rows one after
     the other: ``cu_q``/``cu_k`` over the ``B * T`` tokens."""
     batch, total, num_heads, head_dim = q.shape
-    max_q = max_q if isinstance(max_q, int) else total  # a bound is enough: no device-to-host copy
-    max_k = max_k if isinstance(max_k, int) else k.shape[1]
+    max_q = max_q if isinstance(max_q, int) else batch * total  # a bound is enough: no device-to-host copy
+    max_k = max_k if isinstance(max_k, int) else batch * k.shape[1]
     rows = (q[0], k[0], v[0]) if batch == 1 else (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
     out = flash_attn_varlen_func(*rows, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                                  causal=causal, **variant)
@@ -387,59 +399,58 @@ def _packed_offsets(position_ids: torch.Tensor):
     """``(cu_seqlens int32, max_seqlen)`` of the sequences packed into batch 1, as transformers'
     FlashAttention integration finds them: a sequence starts wherever the position is the
     smallest one (0), so one sequence whose positions skip ahead stays one; ``(None, None)`` when
-    the positions are one run from the smallest. Eager: one device-to-host copy per forward (the
-    answer is kept for the same, unmodified tensor). Traced (torch.compile), where values cannot
-    be read: offsets of a fixed size, one per token (the sequences' starts, then empty sequences
-    at the end), so the graph stays whole and packed inputs stay apart; their launch covers one
-    query tile per token (cheap, but not free: pass ``cu_seq_lens_*`` to avoid it)."""
-    positions = position_ids.reshape(-1)
-    tokens = positions.numel()
+    the positions are one run from the smallest, and while torch.compile traces (the values
+    cannot be read there without a host synchronisation: pass ``cu_seq_lens_*``). Eager: one
+    device-to-host copy per forward (the answer is kept for the same, unmodified tensor)."""
     if torch.compiler.is_compiling():
-        index = torch.arange(tokens, device=positions.device)
-        starts = (positions == positions.min()) | (index == 0)
-        cu = torch.cat((torch.where(starts, index, tokens).sort().values, index.new_full((1,), tokens)))
-        return cu.to(torch.int32), tokens
+        return None, None
     keep = _OFFSETS_OF_POSITIONS.usable(position_ids)
     if keep:
         value = _OFFSETS_OF_POSITIONS.get(position_ids)
         if value is not None:
             return value
+    positions = position_ids.reshape(-1)
     starts = positions == positions.min()
     starts[0] = True
     first = starts.nonzero().flatten()  # one device-to-host copy
     if first.numel() <= 1:
         value = (None, None)
     else:
-        cu = torch.cat((first, first.new_tensor([tokens]))).to(torch.int32)
+        cu = torch.cat((first, first.new_tensor([positions.numel()]))).to(torch.int32)
         value = (cu, int((cu[1:] - cu[:-1]).max()))
     if keep:
         _OFFSETS_OF_POSITIONS.put(position_ids, value)
     return value
 
 
-def _check_model(module) -> None:
-    """Raise for a model this attention would compute wrongly: chunked attention (Llama 4's
-    ``attention_chunk_size``, which torch.compile hides from :func:`_check_mask_function`), and a
-    name registered without :func:`key_spans_mask` (:func:`_check_mask_function_registered`)."""
-    config = getattr(module, "config", None)
-    chunk = getattr(config, "attention_chunk_size", None)
+def _check_chunking(config) -> None:
+    """Raise for chunked attention (Llama 4's ``attention_chunk_size``), which this attention
+    cannot express and torch.compile hides from :func:`_check_mask_function`. Eager calls read
+    ``config``'s own attributes directly: transformers' config attribute lookup costs several
+    microseconds (its ``__getattribute__``), this read half of one."""
+    if torch.compiler.is_compiling():
+        chunk = getattr(config, "attention_chunk_size", None)
+    else:
+        chunk = object.__getattribute__(config, "__dict__").get("attention_chunk_size")
     if chunk:
         raise NotImplementedError(
             f"this model uses chunked attention (attention_chunk_size={chunk}), which flashkernel's attention cannot "
             "express: use attn_implementation='sdpa' for it")
-    _check_mask_function_registered(module)
 
 
 def _check_mask_function_registered(module) -> None:
     """Raise unless transformers builds this model's masks with :func:`key_spans_mask`: without it
     transformers passes no mask at all (its mask interface has no entry for the name), and
-    padding would be attended, silently. Checked once per implementation name."""
-    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    if name is None or name in _NAMES_WITH_OUR_MASKS:
+    padding would be attended, silently. Called for calls without a mask only (a few
+    microseconds: transformers' config attributes are slow to read); it checks the config's
+    chunking too."""
+    config = getattr(module, "config", None)
+    if config is None:
         return
+    _check_chunking(config)
+    name = getattr(config, "_attn_implementation", None)
     mapping = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
-    if name in mapping and mapping[name] is key_spans_mask:
-        _NAMES_WITH_OUR_MASKS.add(name)
+    if name is None or (name in mapping and mapping[name] is key_spans_mask):
         return
     raise TypeError(
         f"attn_implementation {name!r} runs flashkernel's attention without its mask function, so padding would be "
@@ -447,7 +458,6 @@ def _check_mask_function_registered(module) -> None:
         f"{NAME!r}, or register key_spans_mask under {name!r} with AttentionMaskInterface as well")
 
 
-_NAMES_WITH_OUR_MASKS: set = set()
 _WARNED: set = set()
 
 
@@ -455,7 +465,7 @@ def _warn_no_attention_weights() -> None:
     if "output_attentions" not in _WARNED:
         _WARNED.add("output_attentions")
         warnings.warn("flashkernel's attention does not return attention weights (output_attentions=True): "
-                      "they come back as None; use attn_implementation='eager' to get them", stacklevel=3)
+                      "the model returns none; use attn_implementation='eager' to get them", stacklevel=3)
 
 
 # ---- continuous batching -----------------------------------------------------------------------
@@ -488,6 +498,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise ValueError(
             f"{PAGED_NAME} is continuous batching's attention (model.generate_batch): it needs transformers' "
             f"paged cache; for a plain forward use attn_implementation='{NAME}'")
+    _check_chunking(module.config)
     causal, variant = _variant(module, dropout, scaling, sliding_window, softcap, True)
     variant["sinks"] = s_aux
     layer = module.layer_idx
