@@ -218,7 +218,7 @@ def test_masks_it_cannot_compute_are_refused():
         fk_hf.attention_forward(attn, q, k, v, None)
     attn.config.attention_chunk_size = None
     with pytest.warns(UserWarning, match="does not return attention weights"):
-        fk_hf._WARNED.discard("output_attentions")
+        fk_hf._warn_no_attention_weights.cache_clear()
         fk_hf.attention_forward(attn, q, k, v, None, output_attentions=True)
     hole = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match=r"padding between valid tokens in row\(s\) \[1\]"):

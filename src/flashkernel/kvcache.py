@@ -52,7 +52,7 @@ def _check_positive_int(name: str, value) -> None:
 def _check_count(name: str, value) -> None:
     """A number of tokens: an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be an int, got {value!r} ({_checks.type_name(value)})")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
 

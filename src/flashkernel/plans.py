@@ -84,6 +84,30 @@ class _Plan:
         self._native_out = {}  # by inference mode: the C launcher's form of both (LayoutGuard.native_form)
         self._out_bytes = examples[0].numel() * examples[0].element_size()
 
+    _HINT = ""  # ends the message that refuses a gradient
+
+    def _refuse_grad(self, tensors, sinks=None, where: str = ".run") -> None:
+        """Raise when a gradient is wanted through this plan (its runs record no backward): for
+        ``tensors`` (named as the planned ones) or, given, the ``sinks`` it keeps."""
+        what = type(self).__name__ + where
+        if sinks is not None:
+            ops.refuse_grad((("sinks", sinks),), what, self._HINT)
+        ops.refuse_grad(zip(self._names, tensors), what, self._HINT)
+
+    def _check_run(self, tensors) -> None:
+        """What every run checks, fast path included: no forward-mode tangent, and no gradient
+        wanted for sinks kept by a plan made without gradients (the replay guard checks only the
+        run's own tensors)."""
+        ops.check_no_forward_ad(tensors, type(self).__name__ + ".run")
+        if self._sinks_want_grad:
+            self._refuse_grad((), self._fixed[-1])
+
+    def _keep_sinks(self, sinks) -> None:
+        """Refuse sinks that want a gradient now; note whether they do for the runs (a plan made
+        under ``torch.no_grad()`` may run with gradients on)."""
+        self._refuse_grad((), sinks, where="")
+        self._sinks_want_grad = sinks is not None and sinks.requires_grad
+
     def _keep(self, names, tensors) -> None:
         """Note the tensors the plan holds for every run (lengths, tables, slopes, sinks): their
         addresses do not change, so their byte spans are computed once, for the check of ``out``."""
@@ -231,8 +255,7 @@ class DecodePlan(_Plan):
         super().__init__(("q", "k_cache", "v_cache", "k", "v", "k_scale", "v_scale"),
                          (q, k_cache, v_cache, k, v, k_scale, v_scale))
         self.empty = q.numel() == 0 or decode.CacheGeometry.of(k_cache, block_table).capacity == 0
-        ops.refuse_grad((("sinks", sinks),), "DecodePlan")
-        self._sinks_want_grad = sinks is not None and sinks.requires_grad  # made under no_grad: run checks
+        self._keep_sinks(sinks)
         self._fixed = (cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks)
         self._keep(("cache_seqlens", "block_table", "cache_leftpad", "alibi_slopes", "sinks"), self._fixed)
         self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
@@ -247,24 +270,19 @@ class DecodePlan(_Plan):
         allocation per layer; contiguous is fastest), not overlapping the inputs; it is returned.
         """
         tensors = (q, k_cache, v_cache, k, v, k_scale, v_scale)
-        ops.check_no_forward_ad(tensors, "DecodePlan.run")
-        if self._sinks_want_grad:
-            ops.refuse_grad((("sinks", self._fixed[-1]),), "DecodePlan.run")
+        self._check_run(tensors)
         if self.empty:
-            ops.refuse_grad(zip(self._names, tensors), "DecodePlan.run")
+            self._refuse_grad(tensors)
             if out is not None:
                 self._check_out(out, tensors)
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
             results = self._replayed(tensors, self._fixed, out)
             if results is None:
-                ops.refuse_grad(zip(self._names, tensors), "DecodePlan.run")
+                self._refuse_grad(tensors)
                 results = self._run(tensors, self._fixed, lambda: ops.kvcache_fwd_impl(
                     q, k_cache, v_cache, k, v, *self._fixed, k_scale, v_scale, *self._scalars), out)
         return results if self.return_lse else results[0]
-
-
-_TRAIN_WITH_THE_FUNCTION = "; to train, call flash_attn_varlen_func, which has one"
 
 
 class VarlenPlan(_Plan):
@@ -275,6 +293,8 @@ class VarlenPlan(_Plan):
     offsets' values are checked now with ``validate=True`` (or on the CPU with ``None``). ``q``,
     ``k``, ``v`` are examples: each :meth:`run` takes its layer's, of the same layouts.
     """
+
+    _HINT = "; to train, call flash_attn_varlen_func, which has one"
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                  causal: bool = False, softmax_scale=None, window_size=_checks.NO_WINDOW, softcap=0.0,
@@ -293,8 +313,7 @@ class VarlenPlan(_Plan):
             _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_q, max_k)
         super().__init__(("q", "k", "v"), (q, k, v))
         self.empty = batch == 0 or q.shape[0] == 0 or k.shape[0] == 0 or max_q == 0
-        ops.refuse_grad((("sinks", sinks),), "VarlenPlan", _TRAIN_WITH_THE_FUNCTION)
-        self._sinks_want_grad = sinks is not None and sinks.requires_grad  # made under no_grad: run checks
+        self._keep_sinks(sinks)
         self._fixed = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
         self._keep(("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks"), self._fixed)
         self._args = (cu_seqlens_q, cu_seqlens_k, max_q, max_k, alibi_slopes, sinks, causal, scale, *window, cap,
@@ -304,17 +323,15 @@ class VarlenPlan(_Plan):
     def run(self, q, k, v, *, out=None):
         """Attention for one layer: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``; ``out``
         as in :meth:`DecodePlan.run`."""
-        ops.check_no_forward_ad((q, k, v), "VarlenPlan.run")
-        if self._sinks_want_grad:
-            ops.refuse_grad((("sinks", self._fixed[-1]),), "VarlenPlan.run", _TRAIN_WITH_THE_FUNCTION)
+        self._check_run((q, k, v))
         if self.empty:
-            ops.refuse_grad((("q", q), ("k", k), ("v", v)), "VarlenPlan.run", _TRAIN_WITH_THE_FUNCTION)
+            self._refuse_grad((q, k, v))
             if out is not None:
                 self._check_out(out, (q, k, v))
             results = _into(out, interface._empty_results(q, self.return_lse, self._fixed[-1]))
         else:
             results = self._replayed((q, k, v), self._fixed, out)
             if results is None:
-                ops.refuse_grad((("q", q), ("k", k), ("v", v)), "VarlenPlan.run", _TRAIN_WITH_THE_FUNCTION)
+                self._refuse_grad((q, k, v))
                 results = self._run((q, k, v), self._fixed, lambda: ops.varlen_fwd_impl(q, k, v, *self._args), out)
         return results if self.return_lse else results[0]

@@ -65,6 +65,7 @@ that are not causal, bidirectional or a sliding window over padded or packed seq
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
@@ -120,8 +121,9 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     sequence ``(start, end, existing)``: its valid keys are columns ``[start, end)`` (the first
     and one past the last valid column of its padding mask below ``existing``; ``start = end =
     existing`` when it has none). In eager mode one device-to-host copy checks whether the mask
-    pads anything (transformers' sdpa mask makes the same); a traced call (torch.compile) and a
-    static cache's (``q_offset`` a tensor) make none.
+    pads anything (transformers' sdpa mask makes the same), and a second, where it does, whether
+    it has a hole (:func:`_all_valid`); a traced call (torch.compile) and a static cache's
+    (``q_offset`` a tensor) make none.
     """
     if use_vmap:
         raise NotImplementedError(
@@ -136,7 +138,7 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     padding = _padding_columns(attention_mask, kv_length, kv_offset)
     existing = q_offset + q_length - kv_offset
     if (padding is not None and isinstance(existing, int) and not torch.compiler.is_compiling()
-            and _all_valid(padding[:, :existing])):  # one device-to-host copy, as transformers' sdpa mask makes
+            and _all_valid(padding[:, :existing])):  # a device-to-host copy, as transformers' sdpa mask makes
         padding = None
     if padding is None and isinstance(existing, int):
         if existing == kv_length and q_length > DECODE_MAX_QUERIES:
@@ -458,14 +460,11 @@ def _check_mask_function_registered(module) -> None:
         f"{NAME!r}, or register key_spans_mask under {name!r} with AttentionMaskInterface as well")
 
 
-_WARNED: set = set()
-
-
+@functools.cache
 def _warn_no_attention_weights() -> None:
-    if "output_attentions" not in _WARNED:
-        _WARNED.add("output_attentions")
-        warnings.warn("flashkernel's attention does not return attention weights (output_attentions=True): "
-                      "the model returns none; use attn_implementation='eager' to get them", stacklevel=3)
+    """Once per process (cached)."""
+    warnings.warn("flashkernel's attention does not return attention weights (output_attentions=True): "
+                  "the model returns none; use attn_implementation='eager' to get them", stacklevel=3)
 
 
 # ---- continuous batching -----------------------------------------------------------------------
