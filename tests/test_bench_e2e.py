@@ -37,7 +37,7 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "load_config", tiny_config)
     plan = e2e.Plan(models=("llama3-8b",), compiled_models=(), prefill_tokens=20, prompt=12, new_tokens=3,
                     batches=(2,), requests=3, request_prompts=(5, 20), request_new_tokens=3, accuracy_prompt=20,
-                    greedy_tokens=3, repeats=1, generate_rounds=2, dtype="float32",
+                    greedy_tokens=3, greedy_prompts=2, repeats=1, generate_rounds=2, dtype="float32",
                     device="cuda" if torch.cuda.is_available() else "cpu")
     rows = e2e.run(plan)
     assert all(r["status"] == "ok" for r in rows), [r.get("message") for r in rows]
@@ -53,6 +53,7 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     assert {r["provider"] for r in greedy} == {"fk_attention", "sdpa", "eager"}  # eager: a second exact one
     assert {r["identical_tokens"] for r in greedy} == {3}  # float32: the same tokens as sdpa
     assert {r["fp32_identical_tokens"] for r in greedy} == {3}
+    assert all(r["identical_per_prompt"] == [3, 3] and r["all_identical_prompts"] == 2 for r in greedy)
     assert all(r["max_tie_gap"] < 1e-3 for r in greedy)  # every token float32's own argmax
     padded = by_key["accuracy", "b=2 left-padded", "fk_attention"]
     assert padded["top1_vs_baseline"] == 1.0 and padded["max_abs_vs_fp32"] < 1e-4
@@ -64,6 +65,7 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
                 ratios = sorted(t / m for t, m in zip(r["round_ms"], mine["round_ms"]))
                 assert r["paired_speedup"] == pytest.approx((ratios[0] + ratios[1]) / 2)
     assert "fk_attention speedup" in e2e.table(rows)
+    assert "2/2 prompts all identical, median 3 (fp32: min 3)" in e2e.table(rows)
 
     e2e.write(rows, plan, ["bench", "e2e"], str(tmp_path), "cpu")
     doc = json.loads((tmp_path / "e2e.json").read_text())

@@ -18,7 +18,7 @@ Sections (each measured after a warm-up that compiles what it needs):
 * ``accuracy``: logits of a left-padded and an unpadded batch against the same model in
   float32 (eager attention): max abs difference, top-1 agreement with the baseline (transformers'
   implementation that computes the model exactly: ``sdpa``, ``eager`` for Gemma 2 and gpt-oss);
-  greedy tokens of an unpadded prompt: where they first differ from the baseline's, in the
+  greedy tokens of unpadded prompts (8): where they first differ from the baseline's, in the
   model's dtype and with the model in float32, and how far each token is from the float32
   model's choice (random weights give flat logits, whose near-ties bf16 rounding flips);
   transformers' ``eager`` attention is compared with the baseline as well.
@@ -75,6 +75,7 @@ class Plan:
     request_new_tokens: int = 256
     accuracy_prompt: int = 512
     greedy_tokens: int = 32
+    greedy_prompts: int = 8
     repeats: int = 2
     generate_rounds: int = 5  # eager generate: rounds of every provider, alternating
     dtype: str = "bfloat16"
@@ -83,7 +84,7 @@ class Plan:
 
 QUICK = Plan(models=("llama3-8b",), prefill_tokens=2048, prompt=1024, new_tokens=64, compiled_batches=(1,),
              requests=16, request_prompts=(128, 1024), request_new_tokens=64, accuracy_prompt=256, repeats=1,
-             generate_rounds=2)
+             generate_rounds=2, greedy_prompts=2)
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -202,8 +203,9 @@ def _identical(a, b) -> int:
 
 
 def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
-    """Logits against float32 (left-padded batch of 2, unpadded batch of 1) and greedy tokens,
-    each provider against :func:`exact_baseline` (run too if it is not among them).
+    """Logits against float32 (left-padded batch of 2, unpadded batch of 1) and greedy tokens
+    (:func:`greedy_rows`), each provider against :func:`exact_baseline` (run too if it is not
+    among them).
 
     Greedy tokens, three ways: in the model's dtype against the baseline's (random weights give
     flat logits, so bf16 rounding flips near-ties: ``identical_tokens`` counts the tokens before the
@@ -245,17 +247,33 @@ def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
             rows.append(row)
             if provider == baseline:
                 noise = max(noise, row["max_abs_vs_fp32"])
-    prompt, prompt_mask = random_prompts(model, 1, plan.accuracy_prompt, generator)
-    tokens = {p: greedy_tokens(model, p, prompt, prompt_mask, plan.greedy_tokens) for p in providers}
-    tokens32 = {p: greedy_tokens(reference, p, prompt, prompt_mask, plan.greedy_tokens) for p in providers}
-    use(reference, "eager")
-    for provider in providers:
-        rows.append(dict(section="accuracy", model=name, case=f"greedy b=1 {plan.greedy_tokens} tokens",
-                         provider=provider, baseline=baseline,
-                         identical_tokens=_identical(tokens[provider], tokens[baseline]),
-                         max_tie_gap=tie_gaps(reference, prompt, tokens[provider]).max().item(), noise=noise,
-                         fp32_identical_tokens=_identical(tokens32[provider], tokens32[baseline])))
+    rows += greedy_rows(name, model, reference, providers, baseline, noise, plan, generator)
     del reference
+    return rows
+
+
+def greedy_rows(name, model, reference, providers, baseline, noise, plan: Plan, generator) -> list[dict]:
+    """Greedy tokens of ``plan.greedy_prompts`` unpadded prompts, each provider against the
+    baseline: per prompt the tokens before the first difference in the model's dtype
+    (``identical_per_prompt``) and with the model in float32 (``fp32_identical_per_prompt``),
+    and the largest :func:`tie_gaps` of the provider's tokens over all prompts. One prompt says
+    little: where two candidates are nearly tied, the first bf16 rounding that differs (between
+    any two exact implementations) changes every later token."""
+    prompts = [random_prompts(model, 1, plan.accuracy_prompt, generator) for _ in range(plan.greedy_prompts)]
+    tokens = {p: [greedy_tokens(model, p, x, m, plan.greedy_tokens) for x, m in prompts] for p in providers}
+    tokens32 = {p: [greedy_tokens(reference, p, x, m, plan.greedy_tokens) for x, m in prompts] for p in providers}
+    use(reference, "eager")
+    rows = []
+    for provider in providers:
+        same = [_identical(a, b) for a, b in zip(tokens[provider], tokens[baseline])]
+        same32 = [_identical(a, b) for a, b in zip(tokens32[provider], tokens32[baseline])]
+        gap = max(tie_gaps(reference, x, t).max().item() for (x, _), t in zip(prompts, tokens[provider]))
+        rows.append(dict(section="accuracy", model=name, case=f"greedy b=1 {plan.greedy_tokens} tokens",
+                         provider=provider, baseline=baseline, prompts=len(prompts),
+                         identical_tokens=min(same), identical_per_prompt=same,
+                         all_identical_prompts=same.count(plan.greedy_tokens),
+                         max_tie_gap=gap, noise=noise,
+                         fp32_identical_tokens=min(same32), fp32_identical_per_prompt=same32))
     return rows
 
 
@@ -452,6 +470,17 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 # ---- report ---------------------------------------------------------------------------------------
 
 
+def _greedy_summary(r: dict) -> str:
+    """``identical`` of a greedy row: over several prompts, how many matched all tokens and the
+    median; an older single-prompt row, its count."""
+    fp32 = r.get("fp32_identical_tokens", "-")
+    if "identical_per_prompt" not in r:
+        return f"{r['identical_tokens']} identical (fp32: {fp32})"
+    same = r["identical_per_prompt"]
+    return (f"{r['all_identical_prompts']}/{len(same)} prompts all identical, median {statistics.median(same):g} "
+            f"(fp32: min {fp32})")
+
+
 def table(rows: list[dict], markdown: bool = False) -> str:
     from .results import format_table
 
@@ -462,7 +491,7 @@ def table(rows: list[dict], markdown: bool = False) -> str:
         elif r["section"] == "accuracy" and "identical_tokens" in r:
             accuracy.append([r["model"], r["case"], r["provider"], f"gap {r.get('max_tie_gap', float('nan')):.3g}",
                              f"noise {r.get('noise', float('nan')):.3g}",
-                             f"{r['identical_tokens']} identical (fp32: {r.get('fp32_identical_tokens', '-')})"])
+                             _greedy_summary(r)])
         elif r["section"] == "accuracy":
             accuracy.append([r["model"], r["case"], r["provider"], f"{r['max_abs_vs_fp32']:.3g}",
                              f"{r['max_abs_vs_baseline']:.3g}", f"{r['top1_vs_baseline']:.4f}"])
