@@ -477,8 +477,10 @@ def test_backend_argument():
     for a, b in zip(auto[:3], forced[:3]):
         assert torch.equal(a, b)
     hopper = ON_GPU and torch.cuda.get_device_capability(q.device) == (9, 0)
-    if hopper:  # its accuracy: the *_gpu tests below with backend="gluon"
-        assert all(not g.isnan().any() for g in kernel_grads(q, k, v, dout, backend="gluon")[:3])
+    if hopper:  # the Triton kernels' gradients within fp16 rounding (accuracy: the *_gpu tests below)
+        triton_grads = kernel_grads(q, k, v, dout, backend="triton")
+        for a, b in zip(kernel_grads(q, k, v, dout, backend="gluon")[:3], triton_grads[:3]):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
     else:
         needs = "a Hopper GPU" if ON_GPU else "a CUDA GPU"
         with pytest.raises(ValueError, match=f"backend='gluon' cannot run this call: it needs {needs}"):

@@ -18,16 +18,17 @@ Sections (each measured after a warm-up that compiles what it needs):
 * ``accuracy``: logits of a left-padded and an unpadded batch against the same model in
   float32 (eager attention): max abs difference, top-1 agreement with the baseline (transformers'
   implementation that computes the model exactly: ``sdpa``, ``eager`` for Gemma 2 and gpt-oss);
-  greedy tokens of unpadded prompts (8): where they first differ from the baseline's, in the
-  model's dtype and with the model in float32, and how far each token is from the float32
-  model's choice (random weights give flat logits, whose near-ties bf16 rounding flips);
+  greedy tokens of unpadded prompts (eight; two with ``--quick``): where they first differ from
+  the baseline's, in the model's dtype and with the model in float32, and how far each token is
+  from the float32 model's choice (random weights give flat logits, whose near-ties bf16 rounding flips);
   transformers' ``eager`` attention is compared with the baseline as well.
 * ``prefill``: one forward of batch 1 x 8k tokens (logits of the last token only), ms.
 * ``generate``: ``model.generate`` at batch 1 and 8, 2k-token prompts, 256 new tokens (greedy,
   no stop token), tokens/s over the whole call (median); eager with the dynamic cache (the
   providers alternate over five rounds: the host's speed drifts between runs by more than the
-  rows differ; the speedup is also given as the median of the rounds' own ratios), and compiled with the static cache (transformers' default ``CompileConfig``: ``torch.compile`` of the decode step,
-  ``mode="reduce-overhead"``; compile time reported apart).
+  rows differ; the speedup is also given as the median of the rounds' own ratios), and compiled
+  with the static cache (transformers' default ``CompileConfig``: ``torch.compile`` of the decode
+  step, ``mode="reduce-overhead"``; compile time reported apart).
 * ``batching``: ``model.generate_batch`` (continuous batching) of 64 requests, prompts of 128 to
   2048 tokens, 256 new tokens each: ``paged|fk_attention`` against ``paged|sdpa`` (and the
   FlashAttention ones when importable); requests/s and generated tokens/s. transformers' defaults
@@ -208,10 +209,11 @@ def accuracy_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
     among them).
 
     Greedy tokens, three ways: in the model's dtype against the baseline's (random weights give
-    flat logits, so bf16 rounding flips near-ties: ``identical_tokens`` counts the tokens before the
-    first difference); each token's :func:`tie_gaps` against the float32 model (``max_tie_gap``,
-    in logit units, beside the baseline's logit error ``noise``); and the same model in float32,
-    where there are no bf16 ties, against the baseline in float32 (``fp32_identical_tokens``).
+    flat logits, so bf16 rounding flips near-ties: ``identical_tokens`` is the fewest tokens
+    before the first difference over the prompts, ``identical_per_prompt`` each prompt's); each
+    token's :func:`tie_gaps` against the float32 model (``max_tie_gap``, in logit units, beside
+    the baseline's logit error ``noise``); and the same model in float32, where there are no bf16
+    ties, against the baseline in float32 (``fp32_identical_tokens``, the fewest).
     transformers' ``eager`` attention is compared too where the baseline is another: two exact
     implementations of transformers' own, whose greedy tokens part where bf16 rounding flips ties."""
     import torch
