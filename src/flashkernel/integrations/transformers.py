@@ -388,7 +388,7 @@ def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, variant: dict) -> t
     batch, total, num_heads, head_dim = q.shape
     max_q = max_q if isinstance(max_q, int) else batch * total  # a bound is enough: no device-to-host copy
     max_k = max_k if isinstance(max_k, int) else batch * k.shape[1]
-    rows = (q[0], k[0], v[0]) if batch == 1 else (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    rows = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))  # a view at batch 1
     out = flash_attn_varlen_func(*rows, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                                  causal=causal, **variant)
     return out.view(batch, total, num_heads, head_dim)
