@@ -37,7 +37,7 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "load_config", tiny_config)
     plan = e2e.Plan(models=("llama3-8b",), compiled_models=(), prefill_tokens=20, prompt=12, new_tokens=3,
                     batches=(2,), requests=3, request_prompts=(5, 20), request_new_tokens=3, accuracy_prompt=20,
-                    greedy_tokens=3, greedy_prompts=2, repeats=1, generate_rounds=2, dtype="float32",
+                    greedy_tokens=3, greedy_prompts=2, repeats=1, generate_rounds=2, batching_rounds=1, dtype="float32",
                     device="cuda" if torch.cuda.is_available() else "cpu")
     rows = e2e.run(plan)
     assert all(r["status"] == "ok" for r in rows), [r.get("message") for r in rows]
@@ -48,6 +48,12 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     for section in ("accuracy", "prefill", "generate eager dynamic"):
         assert {(section, "fk_attention"), (section, "sdpa")} <= sections
     assert {("batching", "paged|fk_attention"), ("batching", "paged|sdpa")} <= sections
+    batching = [r for r in rows if r["section"] == "batching"]
+    assert sorted((r["cuda_graphs"], r["provider"]) for r in batching) == [
+        (False, "paged|fk_attention"), (False, "paged|sdpa"), (True, "paged|fk_attention"), (True, "paged|sdpa")]
+    assert len({r["case"] for r in batching}) == 2  # one case per CUDA-graph setting: speedups pair within it
+    for r in batching:  # a full warm-up, then every provider in each round
+        assert r["runs"] == 1 and len(r["round_ms"]) == 1 and r["first_ms"] > 0 and r["tokens_per_s"] > 0
     by_key = {(r["section"], r["case"], r["provider"]): r for r in rows}
     greedy = [r for r in rows if "identical_tokens" in r]
     assert {r["provider"] for r in greedy} == {"fk_attention", "sdpa", "eager"}  # eager: a second exact one
@@ -63,7 +69,9 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
             assert r["flashkernel_speedup"] == pytest.approx(r["median_ms"] / mine["median_ms"])
             if "round_ms" in r:  # paired within each round
                 ratios = sorted(t / m for t, m in zip(r["round_ms"], mine["round_ms"]))
-                assert r["paired_speedup"] == pytest.approx((ratios[0] + ratios[1]) / 2)
+                half = len(ratios) // 2
+                middle = ratios[half] if len(ratios) % 2 else (ratios[half - 1] + ratios[half]) / 2
+                assert r["paired_speedup"] == pytest.approx(middle)
     assert "fk_attention speedup" in e2e.table(rows)
     assert "2/2 prompts all identical, median 3 (fp32: min 3)" in e2e.table(rows)
 

@@ -31,8 +31,11 @@ Sections (each measured after a warm-up that compiles what it needs):
   step, ``mode="reduce-overhead"``; compile time reported apart).
 * ``batching``: ``model.generate_batch`` (continuous batching) of 64 requests, prompts of 128 to
   2048 tokens, 256 new tokens each: ``paged|fk_attention`` against ``paged|sdpa`` (and the
-  FlashAttention ones when importable); requests/s and generated tokens/s. transformers' defaults
-  for each (it turns CUDA graphs on only for names containing "flash").
+  FlashAttention ones when importable); requests/s and generated tokens/s. Twice: with
+  transformers' defaults for each (it turns CUDA graphs on only for names containing "flash"),
+  and with ``use_cuda_graph=True`` for all. Each provider serves the whole workload once before
+  it is timed (the first run compiles kernels for the batch shapes it meets: several seconds,
+  reported as ``first_ms``), then the providers alternate over three rounds.
 
 The default run takes about 8 minutes on an H200 (compiles included), ``--quick`` about 2. The
 result files are rewritten after every step, so an interrupted run keeps what it measured; a run
@@ -77,6 +80,8 @@ class Plan:
     accuracy_prompt: int = 512
     greedy_tokens: int = 32
     greedy_prompts: int = 8
+    batching_rounds: int = 3  # continuous batching: rounds of every provider, alternating, after a full warm-up
+    batching_graphs: tuple[bool, ...] = (False, True)  # transformers' default, and use_cuda_graph=True
     repeats: int = 2
     generate_rounds: int = 5  # eager generate: rounds of every provider, alternating
     dtype: str = "bfloat16"
@@ -85,7 +90,7 @@ class Plan:
 
 QUICK = Plan(models=("llama3-8b",), prefill_tokens=2048, prompt=1024, new_tokens=64, compiled_batches=(1,),
              requests=16, request_prompts=(128, 1024), request_new_tokens=64, accuracy_prompt=256, repeats=1,
-             generate_rounds=2, greedy_prompts=2)
+             generate_rounds=2, greedy_prompts=2, batching_rounds=1)
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -360,7 +365,12 @@ def _generate_row(case: dict, provider: str, seconds: list[float], section: str,
 
 def batching_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
     """Continuous batching (``generate_batch``): every provider's paged implementation, same
-    requests, same cache geometry."""
+    requests, same cache geometry; once with transformers' defaults (no CUDA graphs for names
+    without "flash" in them) and once with ``use_cuda_graph=True`` (``plan.batching_graphs``).
+
+    Each provider first serves the whole workload once untimed (``first_ms``: Triton's and
+    cuDNN's compiles for the batch shapes continuous batching makes, CUDA-graph captures), then
+    the providers alternate over ``plan.batching_rounds`` rounds as in :func:`generate_rows`."""
     import torch
     import transformers
 
@@ -372,23 +382,35 @@ def batching_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
                                            eos_token_id=-1, pad_token_id=0)
     block = 256
     blocks = sum(-(-(n + plan.request_new_tokens) // block) for n in lengths) + 16
-    cb_config = transformers.ContinuousBatchingConfig(block_size=block, num_blocks=blocks, max_batch_tokens=4096,
-                                                      max_requests_per_batch=plan.requests)
     rows = []
-    for provider in providers:
-        # "paged|..." set before generate_batch: given an implementation without the prefix,
-        # transformers switches to FlashAttention when it finds it (package or Hub kernel)
-        use(model, f"paged|{provider}")
-        warm = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        model.generate_batch(prompts[:4], generation_config=warm, continuous_batching_config=cb_config)
-        outputs = {}
-        seconds = timed(lambda: outputs.update(model.generate_batch(  # noqa: B023
-            prompts, generation_config=config, continuous_batching_config=cb_config)), 1)[0]
-        generated = sum(len(o.generated_tokens) for o in outputs.values())
-        rows.append(dict(section="batching", model=name, case=f"{plan.requests} requests, prompts {low}-{high}, "
-                         f"+{plan.request_new_tokens}", provider=f"paged|{provider}", batch=plan.requests,
-                         new_tokens=plan.request_new_tokens, median_ms=seconds * 1e3,
-                         requests_per_s=plan.requests / seconds, tokens_per_s=generated / seconds))
+    for graphs in plan.batching_graphs:
+        cb_config = transformers.ContinuousBatchingConfig(
+            block_size=block, num_blocks=blocks, max_batch_tokens=4096, max_requests_per_batch=plan.requests,
+            **(dict(use_cuda_graph=True) if graphs else {}))
+        case = f"{plan.requests} requests, prompts {low}-{high}, +{plan.request_new_tokens}" + (
+            ", CUDA graphs" if graphs else "")
+        generated = {}
+
+        def serve(provider):
+            # "paged|..." set before generate_batch: given an implementation without the prefix,
+            # transformers switches to FlashAttention when it finds it (package or Hub kernel)
+            use(model, f"paged|{provider}")
+            outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
+            generated[provider] = sum(len(o.generated_tokens) for o in outputs.values())
+
+        first = {provider: timed(lambda: serve(provider), 1)[0] for provider in providers}  # noqa: B023
+        seconds = {provider: [] for provider in providers}
+        for round_ in range(plan.batching_rounds):
+            for provider in (providers if round_ % 2 == 0 else providers[::-1]):
+                seconds[provider] += timed(lambda: serve(provider), 1)  # noqa: B023
+        for provider in providers:
+            median = statistics.median(seconds[provider])
+            rows.append(dict(section="batching", model=name, case=case, provider=f"paged|{provider}",
+                             batch=plan.requests, new_tokens=plan.request_new_tokens, cuda_graphs=graphs,
+                             median_ms=median * 1e3, min_ms=min(seconds[provider]) * 1e3,
+                             max_ms=max(seconds[provider]) * 1e3, runs=len(seconds[provider]),
+                             round_ms=[t * 1e3 for t in seconds[provider]], first_ms=first[provider] * 1e3,
+                             requests_per_s=plan.requests / median, tokens_per_s=generated[provider] / median))
     return rows
 
 
