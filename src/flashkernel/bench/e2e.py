@@ -37,7 +37,7 @@ Sections (each measured after a warm-up that compiles what it needs):
   it is timed (the first run compiles kernels for the batch shapes it meets: several seconds,
   reported as ``first_ms``), then the providers alternate over three rounds.
 
-The default run takes about 8 minutes on an H200 (compiles included), ``--quick`` about 2. The
+The default run takes about 12 minutes on an H200 (compiles included), ``--quick`` about 2. The
 result files are rewritten after every step, so an interrupted run keeps what it measured; a run
 split by ``--models`` / ``--sections`` into several commands collects its rows with ``--append``.
 """
