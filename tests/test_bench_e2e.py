@@ -81,8 +81,53 @@ def test_every_section_runs_and_writes_its_results(tmp_path, monkeypatch):
     assert (tmp_path / "e2e.csv").exists() and (tmp_path / "e2e.png").exists()
 
 
-def test_append_keeps_the_rows_a_run_did_not_measure():
-    old = [dict(model="a", section="prefill", case="c", provider="p", median_ms=1.0),
-           dict(model="b", section="prefill", case="c", provider="p", median_ms=2.0)]
-    new = [dict(model="a", section="prefill", case="c", provider="p", median_ms=3.0)]
-    assert e2e.merged(old, new) == [old[1], new[0]]
+def test_append_keeps_the_rows_a_run_did_not_measure_in_their_order():
+    def row(model, case, ms):
+        return dict(model=model, section="batching", case=case, provider="p", median_ms=ms)
+
+    old = [row("a", "c", 1.0), row("b", "c", 2.0)]
+    new = [row("a", "c", 3.0), row("a", "c graphs", 4.0), row("z", "c", 5.0)]
+    # a re-measured row stays where it was; a new case follows its model's rows; a new model goes last
+    assert e2e.merged(old, new) == [new[0], new[1], old[1], new[2]]
+
+
+class _Output:
+    def __init__(self, tokens):
+        self.generated_tokens = list(range(tokens))
+
+
+class _BatchingModel:
+    """Stands in for a transformers model in :func:`e2e.batching_rows`: records every
+    ``generate_batch`` call (the implementation set last, the request count, the CUDA-graph
+    setting) and returns ``max_new_tokens`` tokens per request."""
+
+    def __init__(self):
+        self.config = transformers.LlamaConfig(vocab_size=50)
+        self.implementation = None
+        self.calls = []
+
+    def generate_batch(self, prompts, generation_config, continuous_batching_config):
+        self.calls.append((self.implementation, len(prompts), continuous_batching_config.use_cuda_graph))
+        return {i: _Output(generation_config.max_new_tokens) for i in range(len(prompts))}
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_batching_serves_the_whole_workload_once_then_alternates_the_providers(monkeypatch, cuda_graphs):
+    model = _BatchingModel()
+    monkeypatch.setattr(e2e, "use", lambda m, name: setattr(m, "implementation", name))
+    plan = e2e.Plan(requests=5, request_prompts=(3, 9), request_new_tokens=4, batching_rounds=3)
+    rows = e2e.batching_rows("m", model, ["fk_attention", "sdpa"], plan, cuda_graphs=cuda_graphs)
+    graphs = True if cuda_graphs else None  # None: transformers decides (no graphs for these names)
+    sdpa = ("paged|sdpa", 5, graphs)
+    fk = ("paged|fk_attention", 5, graphs)
+    assert model.calls == [fk, sdpa] + [fk, sdpa] + [sdpa, fk] + [fk, sdpa]  # warm-up, then rounds
+    assert [r["provider"] for r in rows] == ["paged|fk_attention", "paged|sdpa"]
+    assert {r["case"].endswith(", CUDA graphs") for r in rows} == {cuda_graphs}
+    for r in rows:
+        assert r["cuda_graphs"] is cuda_graphs and r["runs"] == 3 and len(r["round_ms"]) == 3
+        assert r["tokens_per_s"] == pytest.approx(5 * 4 / (r["median_ms"] / 1e3))
+
+
+def test_batching_steps_one_per_cuda_graph_setting():
+    plan = e2e.Plan(models=("llama3-8b", "gemma2-9b"), sections=("batching",))
+    assert e2e.planned_steps(plan) == [("llama3-8b", "batching"), ("llama3-8b", "batching cuda graphs")]

@@ -35,7 +35,8 @@ Sections (each measured after a warm-up that compiles what it needs):
   transformers' defaults for each (it turns CUDA graphs on only for names containing "flash"),
   and with ``use_cuda_graph=True`` for all. Each provider serves the whole workload once before
   it is timed (the first run compiles kernels for the batch shapes it meets: several seconds,
-  reported as ``first_ms``), then the providers alternate over three rounds.
+  reported as ``first_ms``), then the providers alternate over three rounds
+  (``Plan.batching_rounds``).
 
 The default run takes about 12 minutes on an H200 (compiles included), ``--quick`` about 2. The
 result files are rewritten after every step, so an interrupted run keeps what it measured; a run
@@ -323,14 +324,15 @@ def generate_rows(name, model, providers, plan: Plan, generator, compiled: bool)
                                           compile_s=first - statistics.median(seconds)))
             continue
         runs = {provider: _generate_call(model, provider, ids, mask, plan, compiled=False) for provider in providers}
-        seconds = {provider: [] for provider in providers}
         for provider, run in runs.items():
             use(model, provider)
             run()  # warm-up
-        for round_ in range(plan.generate_rounds):
-            for provider in (providers if round_ % 2 == 0 else providers[::-1]):
-                use(model, provider)
-                seconds[provider] += timed(runs[provider], 1)
+
+        def run_one(provider):
+            use(model, provider)
+            return timed(runs[provider], 1)  # noqa: B023
+
+        seconds = alternating_rounds(providers, plan.generate_rounds, run_one)
         rows += [_generate_row(case, provider, seconds[provider], "generate eager dynamic",
                                round_ms=[t * 1e3 for t in seconds[provider]]) for provider in providers]
     if compiled:
@@ -363,17 +365,22 @@ def _generate_row(case: dict, provider: str, seconds: list[float], section: str,
                 tokens_per_s=case["batch"] * case["new_tokens"] / median, **extra)
 
 
-def batching_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
-    """Continuous batching (``generate_batch``): every provider's paged implementation, same
-    requests, same cache geometry; once with transformers' defaults (no CUDA graphs for names
-    without "flash" in them) and once with ``use_cuda_graph=True`` (``plan.batching_graphs``).
+def batching_rows(name, model, providers, plan: Plan, cuda_graphs: bool = False) -> list[dict]:
+    """Continuous batching (``generate_batch``): every provider's paged implementation on the same
+    requests and cache geometry, with transformers' defaults (no CUDA graphs for names without
+    "flash" in them) or with ``use_cuda_graph=True``. The requests are drawn from a generator of
+    their own, so both cases serve the same ones.
 
-    Each provider first serves the whole workload once untimed (``first_ms``: Triton's and
-    cuDNN's compiles for the batch shapes continuous batching makes, CUDA-graph captures), then
-    the providers alternate over ``plan.batching_rounds`` rounds as in :func:`generate_rows`."""
+    Each provider first serves the whole workload once untimed (``first_ms``: it compiles the
+    kernels for the batch shapes continuous batching meets; in the CUDA-graph case the other
+    case has compiled most of them already), then the providers alternate over
+    ``plan.batching_rounds`` rounds (:func:`alternating_rounds`). Every ``generate_batch`` call
+    makes a new manager, which captures its CUDA graphs again (transformers' ``warmup``), so
+    the timed runs include the captures, as a caller of ``generate_batch`` pays them."""
     import torch
     import transformers
 
+    generator = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     low, high = plan.request_prompts
     lengths = torch.randint(low, high + 1, (plan.requests,), generator=generator).tolist()
@@ -382,36 +389,43 @@ def batching_rows(name, model, providers, plan: Plan, generator) -> list[dict]:
                                            eos_token_id=-1, pad_token_id=0)
     block = 256
     blocks = sum(-(-(n + plan.request_new_tokens) // block) for n in lengths) + 16
+    cb_config = transformers.ContinuousBatchingConfig(
+        block_size=block, num_blocks=blocks, max_batch_tokens=4096, max_requests_per_batch=plan.requests,
+        **(dict(use_cuda_graph=True) if cuda_graphs else {}))
+    generated = {}
+
+    def serve(provider):
+        # "paged|..." set before generate_batch: given an implementation without the prefix,
+        # transformers switches to FlashAttention when it finds it (package or Hub kernel)
+        use(model, f"paged|{provider}")
+        outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
+        generated[provider] = sum(len(o.generated_tokens) for o in outputs.values())
+
+    first = {provider: timed(lambda: serve(provider), 1)[0] for provider in providers}  # noqa: B023
+    seconds = alternating_rounds(providers, plan.batching_rounds, lambda provider: timed(lambda: serve(provider), 1))
+    case = f"{plan.requests} requests, prompts {low}-{high}, +{plan.request_new_tokens}" + (
+        ", CUDA graphs" if cuda_graphs else "")
     rows = []
-    for graphs in plan.batching_graphs:
-        cb_config = transformers.ContinuousBatchingConfig(
-            block_size=block, num_blocks=blocks, max_batch_tokens=4096, max_requests_per_batch=plan.requests,
-            **(dict(use_cuda_graph=True) if graphs else {}))
-        case = f"{plan.requests} requests, prompts {low}-{high}, +{plan.request_new_tokens}" + (
-            ", CUDA graphs" if graphs else "")
-        generated = {}
-
-        def serve(provider):
-            # "paged|..." set before generate_batch: given an implementation without the prefix,
-            # transformers switches to FlashAttention when it finds it (package or Hub kernel)
-            use(model, f"paged|{provider}")
-            outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
-            generated[provider] = sum(len(o.generated_tokens) for o in outputs.values())
-
-        first = {provider: timed(lambda: serve(provider), 1)[0] for provider in providers}  # noqa: B023
-        seconds = {provider: [] for provider in providers}
-        for round_ in range(plan.batching_rounds):
-            for provider in (providers if round_ % 2 == 0 else providers[::-1]):
-                seconds[provider] += timed(lambda: serve(provider), 1)  # noqa: B023
-        for provider in providers:
-            median = statistics.median(seconds[provider])
-            rows.append(dict(section="batching", model=name, case=case, provider=f"paged|{provider}",
-                             batch=plan.requests, new_tokens=plan.request_new_tokens, cuda_graphs=graphs,
-                             median_ms=median * 1e3, min_ms=min(seconds[provider]) * 1e3,
-                             max_ms=max(seconds[provider]) * 1e3, runs=len(seconds[provider]),
-                             round_ms=[t * 1e3 for t in seconds[provider]], first_ms=first[provider] * 1e3,
-                             requests_per_s=plan.requests / median, tokens_per_s=generated[provider] / median))
+    for provider in providers:
+        median = statistics.median(seconds[provider])
+        rows.append(dict(section="batching", model=name, case=case, provider=f"paged|{provider}",
+                         batch=plan.requests, new_tokens=plan.request_new_tokens, cuda_graphs=cuda_graphs,
+                         median_ms=median * 1e3, min_ms=min(seconds[provider]) * 1e3,
+                         max_ms=max(seconds[provider]) * 1e3, runs=len(seconds[provider]),
+                         round_ms=[t * 1e3 for t in seconds[provider]], first_ms=first[provider] * 1e3,
+                         requests_per_s=plan.requests / median, tokens_per_s=generated[provider] / median))
     return rows
+
+
+def alternating_rounds(providers, rounds: int, run_one) -> dict:
+    """``{provider: [seconds, ...]}`` of ``rounds`` rounds in which every provider runs once
+    (``run_one(provider)`` returns a list of seconds), the order reversed every other round, so a
+    drift of the host's speed falls on every provider alike."""
+    seconds = {provider: [] for provider in providers}
+    for round_ in range(rounds):
+        for provider in (providers if round_ % 2 == 0 else providers[::-1]):
+            seconds[provider] += run_one(provider)
+    return seconds
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -426,7 +440,11 @@ def planned_steps(plan: Plan) -> list[tuple[str, str]]:
                 steps.append((name, "generate eager dynamic"))
                 if name in plan.compiled_models:
                     steps.append((name, "generate compiled static"))
-            elif section != "batching" or name in plan.batching_models:
+            elif section == "batching":
+                if name in plan.batching_models:
+                    steps += [(name, "batching cuda graphs" if graphs else "batching")
+                              for graphs in plan.batching_graphs]
+            else:
                 steps.append((name, section))
     return steps
 
@@ -459,7 +477,7 @@ def run(plan: Plan, progress=None, checkpoint=None) -> list[dict]:
             elif section.startswith("generate"):
                 rows += generate_rows(name, model, providers, plan, generator, compiled="compiled" in section)
             else:
-                rows += batching_rows(name, model, providers, plan, generator)
+                rows += batching_rows(name, model, providers, plan, cuda_graphs="cuda graphs" in section)
         except Exception as exc:  # noqa: BLE001 - one failing section is a row, the run goes on
             rows.append(dict(section=section, model=name, case="", provider="", status="error",
                              message=f"{type(exc).__name__}: {str(exc)[:400]}"))
@@ -613,10 +631,17 @@ def previous_rows(out: Path) -> list[dict]:
 
 
 def merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
-    """``rows`` plus the ``earlier`` rows they do not measure again (for a run split into several
-    commands with ``--append``)."""
-    measured = {_row_key(r) for r in rows}
-    return [r for r in earlier if _row_key(r) not in measured] + rows
+    """The ``earlier`` rows with those that ``rows`` measure again replaced where they stand, and
+    ``rows``' other rows after the last earlier row of their model and section (else at the end),
+    so the table keeps its order (for a run split into several commands with ``--append``)."""
+    new = {_row_key(r): r for r in rows}
+    result = [new.pop(_row_key(r), r) for r in earlier]
+    for row in rows:
+        if _row_key(row) not in new:
+            continue
+        near = [i for i, r in enumerate(result) if (r["model"], r["section"]) == (row["model"], row["section"])]
+        result.insert(near[-1] + 1 if near else len(result), row)
+    return result
 
 
 def write(rows: list[dict], plan: Plan, argv: list[str], out: str | None, device: str, plots: bool = True,
