@@ -5,10 +5,13 @@ The GPU run (10,000 configurations) is ``./run.sh gpu-test fuzz``.
 """
 
 import argparse
+import importlib.util
+import io
 import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,8 @@ from flashkernel.bench import fuzz
 from flashkernel.bench.fuzz_space import (CATEGORIES, FAMILY_WEIGHTS, Space, class_of, draw, in_category,
                                           make_classes)
 from helpers import needs_interpreter
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 0
 
@@ -152,6 +157,50 @@ def test_a_worker_that_hangs_is_killed_and_restarted(tmp_path):
     _finish(worker, timeout=0.3)
     assert worker.spawned == [[5, 6], [6]]
     assert "timed out" in worker.records[5]["problems"][0] and worker.records[6]["ok"]
+
+
+def test_progress_names_each_failure_once_as_soon_as_it_is_seen():
+    stream = io.StringIO()
+    show = fuzz._progress_printer(stream)
+    bad = {"index": 3, "ok": False, "problems": ["max error 1.0"], "config": "the configuration"}
+    show([_record(1), bad], 4)
+    show([_record(1), bad, _record(2)], 4)  # within 5 s: no count line, the failure not repeated
+    show([_record(1), bad, _record(2), _record(0)], 4)  # the last one: a count line
+    lines = stream.getvalue().splitlines()
+    assert lines == ["fuzz: FAIL [3] max error 1.0", "    the configuration", "fuzz: 2/4, 1 failed",
+                     "fuzz: 4/4, 1 failed"]
+
+
+def _gpu_test_tool():
+    spec = importlib.util.spec_from_file_location("gpu_test", ROOT / "benchmarks" / "tools" / "gpu_test.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_stopped_runs_counts_come_from_its_workers_logs(tmp_path):
+    """``gpu-test fuzz`` stopped by its time limit counts what the workers' logs hold: finished
+    configurations, and the one a restarted worker died in; not the ones still running."""
+    def log(name, lines):
+        (tmp_path / "fuzz.jsonl.parts" / name).write_text(
+            "".join(json.dumps(line) + "\n" for line in lines) + '{"index": 4, "o')  # a line cut by the kill
+
+    (tmp_path / "fuzz.jsonl.parts").mkdir()
+
+    bad = {"index": 6, "ok": False, "problems": ["max error 1.0"], "config": ""}
+    log("worker0.0.jsonl", [{"start": 5}, _record(5), {"start": 7}])  # died in 7, restarted
+    log("worker0.1.jsonl", [{"start": 9}, _record(9), {"start": 11}])  # stopped while in 11
+    log("worker1.0.jsonl", [{"start": 6}, bad, {"start": 8}, _record(8), {"done": True, "compiled": 2}])
+    counts = _gpu_test_tool().unfinished_fuzz_counts(tmp_path / "fuzz.jsonl")
+    assert counts["configurations"] == 5 and counts["failed"] == 2  # 5, 7, 9, 6, 8
+    assert {f["index"] for f in counts["failures"]} == {6, 7}
+
+
+def test_a_stopped_single_process_runs_counts_come_from_its_log(tmp_path):
+    bad = {"index": 1, "ok": False, "problems": ["max error 1.0"], "config": ""}
+    (tmp_path / "fuzz.jsonl").write_text(json.dumps(_record(0)) + "\n" + json.dumps(bad) + "\n" + '{"ind')
+    counts = _gpu_test_tool().unfinished_fuzz_counts(tmp_path / "fuzz.jsonl")
+    assert counts == {"configurations": 2, "failed": 1, "failures": [{"index": 1, "problems": ["max error 1.0"]}]}
 
 
 @pytest.mark.gpu

@@ -15,7 +15,10 @@ failed, sanitizer runs and errors, tests passed and failed. Every part ends with
 So the parts can run in separate sessions, even on another machine than the summary: copy their
 ``--out`` directories together (the sanitizer's tools each leave their own JSON, so
 ``sanitize --tools memcheck racecheck`` and ``sanitize --tools synccheck initcheck`` add up), then
-``summary --out DIR``. ``--limit`` stops a part after that many seconds (its log so far is kept).
+``summary --out DIR``. ``--limit`` stops a part after that many seconds (its log so far is kept,
+its worker processes are killed with it; a stopped fuzz part counts the configurations its
+workers finished and the failures among them, marked ``"complete": false``, and the fuzzer
+names each failure in its log as soon as it is seen).
 Exit status 1 when a part failed or found anything.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,14 +47,19 @@ def gpu_slug() -> str:
 
 
 def run(cmd: list[str], log: Path, limit: float) -> tuple[object, float]:
-    """Run ``cmd`` from the repository root, its output to ``log``; ``(exit status or "timeout", seconds)``."""
+    """Run ``cmd`` from the repository root, its output to ``log``; ``(exit status or "timeout", seconds)``.
+    At the limit the whole process group is killed: the fuzzer's and pytest's worker processes
+    too, which would otherwise go on using the GPU under the next part."""
     start = time.perf_counter()
     with open(log, "w") as out:
         out.write(f"# {' '.join(cmd)}\n")
         out.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            status = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=limit).returncode
+            status = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             status = "timeout"
     return status, round(time.perf_counter() - start, 1)
 
@@ -91,11 +100,46 @@ def part_fuzz(args, out: Path) -> dict:
            "--out", str(log)]
     status, seconds = run(cmd, out / "fuzz.log", args.limit)
     summary_file = Path(f"{log}.summary.json")
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() and status != "timeout" else {}
+    if summary_file.exists() and status != "timeout":
+        summary = json.loads(summary_file.read_text())
+    else:  # stopped by --limit: what the workers had finished (their logs are kept)
+        summary = unfinished_fuzz_counts(log)
     return {"command": " ".join(cmd), "exit": status, "seconds": seconds, "seed": args.seed,
             "configurations": summary.get("configurations", 0), "failed": summary.get("failed"),
             "classes": summary.get("classes"), "compiled_kernels": summary.get("compiled_kernels"),
+            "complete": status != "timeout", "failures": summary.get("failures", [])[:20],
             "ok": status == 0 and summary.get("failed") == 0}
+
+
+def unfinished_fuzz_counts(log: Path) -> dict:
+    """``configurations``, ``failed`` and ``failures`` (index and problems) of a fuzz run with
+    ``--out log`` that was stopped: from ``log`` itself for a run in one process, else from its
+    workers' logs in ``<log>.parts`` (``worker<n>.<start>.jsonl``: a worker restarted after a
+    crash or a hang has a log per start). A log that a later start followed and that ends inside
+    a configuration names the one its worker died in: a failure. The configuration each worker's
+    last log was in when the run stopped is not counted."""
+    from flashkernel.bench.fuzz import read_worker_log
+
+    parts = Path(f"{log}.parts")
+    if not parts.is_dir():
+        records = read_worker_log(log)[0]
+        failures = [{"index": r["index"], "problems": r["problems"]} for r in records.values() if not r["ok"]]
+        return {"configurations": len(records), "failed": len(failures), "failures": failures}
+    starts: dict[int, list[tuple[int, Path]]] = {}
+    for path in parts.glob("worker*.jsonl"):
+        worker, start = (int(n) for n in path.stem.removeprefix("worker").split("."))
+        starts.setdefault(worker, []).append((start, path))
+    records = {}
+    for logs in starts.values():
+        logs.sort()
+        for number, (_, path) in enumerate(logs):
+            done, started, _ = read_worker_log(path)
+            records.update(done)
+            if started is not None and number < len(logs) - 1:
+                records[started] = {"index": started, "ok": False,
+                                    "problems": ["its worker died or hung in it (restarted after it)"]}
+    failures = [{"index": r["index"], "problems": r["problems"]} for r in records.values() if not r["ok"]]
+    return {"configurations": len(records), "failed": len(failures), "failures": failures}
 
 
 def part_sanitize(args, out: Path) -> dict:
@@ -158,6 +202,7 @@ def summarize(out: Path, results_file: Path) -> dict:
         "configurations_fuzzed": fuzz.get("configurations", 0),
         "fuzz_failures": fuzz.get("failed"),
         "fuzz_seed": fuzz.get("seed"),
+        "fuzz_complete": fuzz.get("complete", fuzz.get("exit") == 0) if fuzz else None,  # False: stopped by --limit
         "sanitizer_runs": sanitize.get("runs", 0),
         "sanitizer_errors": sanitize.get("errors"),
         "tests_passed": tests.get("passed"),
@@ -201,7 +246,8 @@ def main(argv=None) -> int:
         shown = {k: v for k, v in result.items() if k not in ("command", "tools", "environment")}
         print(f"gpu-test {name}: {json.dumps(shown)}", flush=True)
     doc = summarize(out, results_file)
-    print(f"{results_file}: fuzzed {doc['configurations_fuzzed']} ({doc['fuzz_failures']} failed), sanitizer "
+    stopped = ", stopped by --limit" if doc["fuzz_complete"] is False else ""
+    print(f"{results_file}: fuzzed {doc['configurations_fuzzed']} ({doc['fuzz_failures']} failed{stopped}), sanitizer "
           f"{doc['sanitizer_runs']} runs ({doc['sanitizer_errors']} errors), tests {doc['tests_passed']} passed "
           f"({doc['tests_failed']} failed): {'ok' if doc['ok'] else 'NOT OK'}")
     return status

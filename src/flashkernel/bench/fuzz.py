@@ -157,7 +157,7 @@ def _context_usable() -> bool:
         return False
 
 
-def _read_log(path: Path) -> tuple[dict, int | None, dict | None]:
+def read_worker_log(path: Path) -> tuple[dict, int | None, dict | None]:
     """``(records by index, index started but not finished, done line)`` of a worker's log."""
     records, started, done = {}, None, None
     if not path.exists():
@@ -206,7 +206,7 @@ class _Worker:
 
     def poll(self, timeout: float) -> bool:
         """Collect progress; restart after a crash or a hang. True while work remains."""
-        records, started, done = _read_log(self.log)
+        records, started, done = read_worker_log(self.log)
         if started != self.current:
             self.current, self.current_since = started, time.monotonic()
         hung = started is not None and time.monotonic() - self.current_since > timeout
@@ -261,7 +261,7 @@ def run_parallel(args, space: Space, indices: list[int], progress) -> tuple[list
             time.sleep(1.0)
             running = [w for w in running if w.poll(args.timeout)]
             if progress:
-                progress(sum(len(w.records) for w in workers), len(indices))
+                progress([r for w in workers for r in w.records.values()], len(indices))
         records = [r for w in workers for r in w.records.values()]
         if args.out:
             shutil.rmtree(parts)
@@ -280,7 +280,7 @@ def run_serial(args, space: Space, indices: list[int], device: str, progress) ->
                 log.write(json.dumps(records[-1]) + "\n")
                 log.flush()
             if progress:
-                progress(n + 1, len(indices))
+                progress(records, len(indices))
     return records, compiled_kernels() if device == "cuda" else 0
 
 
@@ -306,13 +306,21 @@ def summarize(records: list[dict], args, space: Space, seconds: float, compiled:
 
 
 def _progress_printer(stream=sys.stderr):
-    last = [0.0]
+    """``show(records, total)``: every 5 s a line of how many configurations ran and failed, and
+    each failure as soon as it is seen, so a log cut short by a time limit still names them."""
+    last, reported = [0.0], set()
 
-    def show(done: int, total: int) -> None:
+    def show(records: list[dict], total: int) -> None:
+        failed = [r for r in records if not r["ok"]]
+        for r in failed:
+            if r["index"] not in reported:
+                reported.add(r["index"])
+                print(f"fuzz: FAIL [{r['index']}] {'; '.join(r['problems'])}\n    {r.get('config', '')}", file=stream,
+                      flush=True)
         now = time.monotonic()
-        if now - last[0] >= 5 or done == total:
+        if now - last[0] >= 5 or len(records) == total:
             last[0] = now
-            print(f"fuzz: {done}/{total}", file=stream, flush=True)
+            print(f"fuzz: {len(records)}/{total}, {len(failed)} failed", file=stream, flush=True)
 
     return show
 
