@@ -163,9 +163,9 @@ def test_progress_names_each_failure_once_as_soon_as_it_is_seen():
     stream = io.StringIO()
     show = fuzz._progress_printer(stream)
     bad = {"index": 3, "ok": False, "problems": ["max error 1.0"], "config": "the configuration"}
-    show([_record(1), bad], 4)
-    show([_record(1), bad, _record(2)], 4)  # within 5 s: no count line, the failure not repeated
-    show([_record(1), bad, _record(2), _record(0)], 4)  # the last one: a count line
+    show(2, 4, [bad])
+    show(3, 4, [bad])  # within 5 s: no count line, the failure not repeated
+    show(4, 4, [bad])  # the last one: a count line
     lines = stream.getvalue().splitlines()
     assert lines == ["fuzz: FAIL [3] max error 1.0", "    the configuration", "fuzz: 2/4, 1 failed",
                      "fuzz: 4/4, 1 failed"]
@@ -194,6 +194,55 @@ def test_a_stopped_runs_counts_come_from_its_workers_logs(tmp_path):
     counts = _gpu_test_tool().unfinished_fuzz_counts(tmp_path / "fuzz.jsonl")
     assert counts["configurations"] == 5 and counts["failed"] == 2  # 5, 7, 9, 6, 8
     assert {f["index"] for f in counts["failures"]} == {6, 7}
+
+
+def test_a_part_kills_its_process_group_when_it_ends(tmp_path):
+    """Children a part's command leaves behind (the fuzzer's workers, pytest's) are killed with
+    it: at the limit, and after a normal exit too."""
+    tool = _gpu_test_tool()
+    for limit, status in ((1.0, "timeout"), (30.0, 0)):
+        pid_file = tmp_path / f"child-{status}.pid"
+        # a child that would sleep on for a minute; the command itself waits at the limit or exits
+        script = (f"import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+                  f"'import time; time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(child.pid)); "
+                  f"time.sleep(10 if {status!r} == 'timeout' else 0)")
+        assert tool.run([sys.executable, "-c", script], tmp_path / "part.log", limit)[0] == status
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped by its init, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("status, summary", [("timeout", None), (1, None), (0, {"configurations": 3, "failed": 0})])
+def test_a_fuzz_part_is_complete_only_with_its_summary(tmp_path, monkeypatch, status, summary):
+    """A run stopped or dead without its summary counts its logs (never an earlier run's) and is
+    not complete; a finished one reads its summary."""
+    tool = _gpu_test_tool()
+    stale = tmp_path / "fuzz.jsonl.parts"
+    stale.mkdir()
+    (stale / "worker0.0.jsonl").write_text(json.dumps(_record(1)) + "\n")  # an earlier run's
+
+    def fake_run(cmd, log, limit):
+        assert not stale.exists() and not (tmp_path / "fuzz.jsonl.summary.json").exists()
+        if summary is not None:
+            (tmp_path / "fuzz.jsonl.summary.json").write_text(json.dumps(summary))
+        (tmp_path / "fuzz.jsonl").write_text(json.dumps(_record(0)) + "\n")
+        return status, 1.0
+
+    (tmp_path / "fuzz.jsonl.summary.json").write_text(json.dumps({"configurations": 99, "failed": 0}))
+    monkeypatch.setattr(tool, "run", fake_run)
+    result = tool.part_fuzz(argparse.Namespace(configs=3, seed=SEED, limit=10.0), tmp_path)
+    assert result["complete"] is (summary is not None) and result["ok"] is (summary is not None)
+    assert result["configurations"] == (3 if summary else 1)
 
 
 def test_a_stopped_single_process_runs_counts_come_from_its_log(tmp_path):

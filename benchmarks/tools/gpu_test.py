@@ -16,9 +16,10 @@ So the parts can run in separate sessions, even on another machine than the summ
 ``--out`` directories together (the sanitizer's tools each leave their own JSON, so
 ``sanitize --tools memcheck racecheck`` and ``sanitize --tools synccheck initcheck`` add up), then
 ``summary --out DIR``. ``--limit`` stops a part after that many seconds (its log so far is kept,
-its worker processes are killed with it; a stopped fuzz part counts the configurations its
-workers finished and the failures among them, marked ``"complete": false``, and the fuzzer
-names each failure in its log as soon as it is seen).
+a part's whole process group is killed when it ends; a fuzz part stopped by the limit, or
+whose fuzzer died, counts the configurations its workers finished and the failures among them,
+marked ``"complete": false``, and the fuzzer names each failure in its log as soon as it is
+seen).
 Exit status 1 when a part failed or found anything.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,8 +50,9 @@ def gpu_slug() -> str:
 
 def run(cmd: list[str], log: Path, limit: float) -> tuple[object, float]:
     """Run ``cmd`` from the repository root, its output to ``log``; ``(exit status or "timeout", seconds)``.
-    At the limit the whole process group is killed: the fuzzer's and pytest's worker processes
-    too, which would otherwise go on using the GPU under the next part."""
+    ``cmd`` runs in a process group of its own, killed whole when it ends, at the limit or on an
+    interrupt: the fuzzer's and pytest's worker processes, and whatever a timed-out sanitizer left,
+    would otherwise go on using the GPU under the next part."""
     start = time.perf_counter()
     with open(log, "w") as out:
         out.write(f"# {' '.join(cmd)}\n")
@@ -58,10 +61,19 @@ def run(cmd: list[str], log: Path, limit: float) -> tuple[object, float]:
         try:
             status = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             status = "timeout"
+        finally:
+            _kill_group(proc)
     return status, round(time.perf_counter() - start, 1)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the process group ``proc`` leads (its own: ``start_new_session``) and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing of the group is left
+        pass
+    proc.wait()
 
 
 def test_shard(shard: str) -> list[str]:
@@ -96,24 +108,26 @@ def part_tests(args, out: Path) -> dict:
 
 def part_fuzz(args, out: Path) -> dict:
     log = out / "fuzz.jsonl"
+    summary_file, parts = Path(f"{log}.summary.json"), Path(f"{log}.parts")
+    for stale in (log, summary_file):  # an earlier run's: never counted as this one's
+        stale.unlink(missing_ok=True)
+    shutil.rmtree(parts, ignore_errors=True)
     cmd = [sys.executable, "-m", "flashkernel.bench.fuzz", "--configs", str(args.configs), "--seed", str(args.seed),
            "--out", str(log)]
     status, seconds = run(cmd, out / "fuzz.log", args.limit)
-    summary_file = Path(f"{log}.summary.json")
-    if summary_file.exists() and status != "timeout":
-        summary = json.loads(summary_file.read_text())
-    else:  # stopped by --limit: what the workers had finished (their logs are kept)
-        summary = unfinished_fuzz_counts(log)
+    complete = status != "timeout" and summary_file.exists()
+    # else stopped by --limit, or died: what the workers had finished (their logs are kept)
+    summary = json.loads(summary_file.read_text()) if complete else unfinished_fuzz_counts(log)
     return {"command": " ".join(cmd), "exit": status, "seconds": seconds, "seed": args.seed,
             "configurations": summary.get("configurations", 0), "failed": summary.get("failed"),
             "classes": summary.get("classes"), "compiled_kernels": summary.get("compiled_kernels"),
-            "complete": status != "timeout", "failures": summary.get("failures", [])[:20],
-            "ok": status == 0 and summary.get("failed") == 0}
+            "complete": complete, "failures": summary.get("failures", [])[:20],
+            "ok": complete and status == 0 and summary.get("failed") == 0}
 
 
 def unfinished_fuzz_counts(log: Path) -> dict:
     """``configurations``, ``failed`` and ``failures`` (index and problems) of a fuzz run with
-    ``--out log`` that was stopped: from ``log`` itself for a run in one process, else from its
+    ``--out log`` that was stopped or died: from ``log`` itself for a run in one process, else from its
     workers' logs in ``<log>.parts`` (``worker<n>.<start>.jsonl``: a worker restarted after a
     crash or a hang has a log per start). A log that a later start followed and that ends inside
     a configuration names the one its worker died in: a failure. The configuration each worker's
@@ -202,7 +216,7 @@ def summarize(out: Path, results_file: Path) -> dict:
         "configurations_fuzzed": fuzz.get("configurations", 0),
         "fuzz_failures": fuzz.get("failed"),
         "fuzz_seed": fuzz.get("seed"),
-        "fuzz_complete": fuzz.get("complete", fuzz.get("exit") == 0) if fuzz else None,  # False: stopped by --limit
+        "fuzz_complete": fuzz.get("complete", fuzz.get("exit") == 0) if fuzz else None,  # False: stopped or died
         "sanitizer_runs": sanitize.get("runs", 0),
         "sanitizer_errors": sanitize.get("errors"),
         "tests_passed": tests.get("passed"),
@@ -246,7 +260,7 @@ def main(argv=None) -> int:
         shown = {k: v for k, v in result.items() if k not in ("command", "tools", "environment")}
         print(f"gpu-test {name}: {json.dumps(shown)}", flush=True)
     doc = summarize(out, results_file)
-    stopped = ", stopped by --limit" if doc["fuzz_complete"] is False else ""
+    stopped = ", incomplete" if doc["fuzz_complete"] is False else ""
     print(f"{results_file}: fuzzed {doc['configurations_fuzzed']} ({doc['fuzz_failures']} failed{stopped}), sanitizer "
           f"{doc['sanitizer_runs']} runs ({doc['sanitizer_errors']} errors), tests {doc['tests_passed']} passed "
           f"({doc['tests_failed']} failed): {'ok' if doc['ok'] else 'NOT OK'}")

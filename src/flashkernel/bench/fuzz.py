@@ -250,7 +250,8 @@ def run_parallel(args, space: Space, indices: list[int], progress) -> tuple[list
     with contextlib.ExitStack() as stack:
         if args.out:
             parts = Path(f"{args.out}.parts")
-            parts.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(parts, ignore_errors=True)  # an earlier, stopped run's logs
+            parts.mkdir(parents=True)
         else:
             parts = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flashkernel-fuzz-")))
         workers = [_Worker(n, share, args, parts) for n, share in enumerate(shares) if share]
@@ -261,7 +262,8 @@ def run_parallel(args, space: Space, indices: list[int], progress) -> tuple[list
             time.sleep(1.0)
             running = [w for w in running if w.poll(args.timeout)]
             if progress:
-                progress([r for w in workers for r in w.records.values()], len(indices))
+                progress(sum(len(w.records) for w in workers), len(indices),
+                         [r for w in workers for r in w.records.values() if not r["ok"]])
         records = [r for w in workers for r in w.records.values()]
         if args.out:
             shutil.rmtree(parts)
@@ -271,16 +273,18 @@ def run_parallel(args, space: Space, indices: list[int], progress) -> tuple[list
 def run_serial(args, space: Space, indices: list[int], device: str, progress) -> tuple[list[dict], int]:
     """Run ``indices`` here, one after the other; each record goes to ``args.out`` as it is made."""
     classes = make_classes(args.seed, space)
-    records = []
+    records, failures = [], []
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(args.out, "w")) if args.out else None
-        for n, index in enumerate(indices):
+        for index in indices:
             records.append(run_config(draw(args.seed, index, classes, space), device))
+            if not records[-1]["ok"]:
+                failures.append(records[-1])
             if log:
                 log.write(json.dumps(records[-1]) + "\n")
                 log.flush()
             if progress:
-                progress(records, len(indices))
+                progress(len(records), len(indices), failures)
     return records, compiled_kernels() if device == "cuda" else 0
 
 
@@ -306,21 +310,21 @@ def summarize(records: list[dict], args, space: Space, seconds: float, compiled:
 
 
 def _progress_printer(stream=sys.stderr):
-    """``show(records, total)``: every 5 s a line of how many configurations ran and failed, and
-    each failure as soon as it is seen, so a log cut short by a time limit still names them."""
+    """``show(done, total, failures)``: every 5 s a line of how many configurations ran and failed,
+    and each failure (a record) as soon as it is seen, so a log cut short by a time limit still
+    names them."""
     last, reported = [0.0], set()
 
-    def show(records: list[dict], total: int) -> None:
-        failed = [r for r in records if not r["ok"]]
-        for r in failed:
+    def show(done: int, total: int, failures: list[dict]) -> None:
+        for r in failures:
             if r["index"] not in reported:
                 reported.add(r["index"])
                 print(f"fuzz: FAIL [{r['index']}] {'; '.join(r['problems'])}\n    {r.get('config', '')}", file=stream,
                       flush=True)
         now = time.monotonic()
-        if now - last[0] >= 5 or len(records) == total:
+        if now - last[0] >= 5 or done == total:
             last[0] = now
-            print(f"fuzz: {len(records)}/{total}, {len(failed)} failed", file=stream, flush=True)
+            print(f"fuzz: {done}/{total}, {len(failures)} failed", file=stream, flush=True)
 
     return show
 
