@@ -135,15 +135,11 @@ def unfinished_fuzz_counts(log: Path) -> dict:
     from flashkernel.bench.fuzz import read_worker_log
 
     parts = Path(f"{log}.parts")
-    if not parts.is_dir():
-        records = read_worker_log(log)[0]
-        failures = [{"index": r["index"], "problems": r["problems"]} for r in records.values() if not r["ok"]]
-        return {"configurations": len(records), "failed": len(failures), "failures": failures}
     starts: dict[int, list[tuple[int, Path]]] = {}
     for path in parts.glob("worker*.jsonl"):
         worker, start = (int(n) for n in path.stem.removeprefix("worker").split("."))
         starts.setdefault(worker, []).append((start, path))
-    records = {}
+    records = {} if parts.is_dir() else read_worker_log(log)[0]
     for logs in starts.values():
         logs.sort()
         for number, (_, path) in enumerate(logs):

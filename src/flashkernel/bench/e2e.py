@@ -359,10 +359,16 @@ def _generate_call(model, provider: str, ids, mask, plan: Plan, compiled: bool):
 
 
 def _generate_row(case: dict, provider: str, seconds: list[float], section: str, **extra) -> dict:
+    return _timed_row(case, provider, seconds, section, case["batch"] * case["new_tokens"], **extra)
+
+
+def _timed_row(case: dict, provider: str, seconds: list[float], section: str, tokens: int, **extra) -> dict:
+    """A row of runs that took ``seconds`` each and generated ``tokens`` each: the median, the
+    fastest and slowest run, tokens/s over the median."""
     median = statistics.median(seconds)
     return dict(section=section, **case, provider=provider, median_ms=median * 1e3,
                 min_ms=min(seconds) * 1e3, max_ms=max(seconds) * 1e3, runs=len(seconds),
-                tokens_per_s=case["batch"] * case["new_tokens"] / median, **extra)
+                tokens_per_s=tokens / median, **extra)
 
 
 def batching_rows(name, model, providers, plan: Plan, cuda_graphs: bool = False) -> list[dict]:
@@ -403,18 +409,13 @@ def batching_rows(name, model, providers, plan: Plan, cuda_graphs: bool = False)
 
     first = {provider: timed(lambda: serve(provider), 1)[0] for provider in providers}  # noqa: B023
     seconds = alternating_rounds(providers, plan.batching_rounds, lambda provider: timed(lambda: serve(provider), 1))
-    case = f"{plan.requests} requests, prompts {low}-{high}, +{plan.request_new_tokens}" + (
-        ", CUDA graphs" if cuda_graphs else "")
-    rows = []
-    for provider in providers:
-        median = statistics.median(seconds[provider])
-        rows.append(dict(section="batching", model=name, case=case, provider=f"paged|{provider}",
-                         batch=plan.requests, new_tokens=plan.request_new_tokens, cuda_graphs=cuda_graphs,
-                         median_ms=median * 1e3, min_ms=min(seconds[provider]) * 1e3,
-                         max_ms=max(seconds[provider]) * 1e3, runs=len(seconds[provider]),
-                         round_ms=[t * 1e3 for t in seconds[provider]], first_ms=first[provider] * 1e3,
-                         requests_per_s=plan.requests / median, tokens_per_s=generated[provider] / median))
-    return rows
+    case = dict(model=name, case=f"{plan.requests} requests, prompts {low}-{high}, +{plan.request_new_tokens}"
+                + (", CUDA graphs" if cuda_graphs else ""), batch=plan.requests, new_tokens=plan.request_new_tokens)
+    return [_timed_row(case, f"paged|{provider}", seconds[provider], "batching", generated[provider],
+                       cuda_graphs=cuda_graphs, round_ms=[t * 1e3 for t in seconds[provider]],
+                       first_ms=first[provider] * 1e3,
+                       requests_per_s=plan.requests / statistics.median(seconds[provider]))
+            for provider in providers]
 
 
 def alternating_rounds(providers, rounds: int, run_one) -> dict:
