@@ -408,6 +408,44 @@ def test_the_recent_calls_look_up_answers_none_for_arguments_that_are_no_scalars
         assert cache.quick(("fwd", (0.5,), (float,), scalar), (x,)) is None
 
 
+def test_a_replay_found_by_its_key_is_looked_through_first_again(monkeypatch):
+    """A decode loop: each step's layers make one call of a new cache length, recorded in an
+    earlier generation and pushed out of the recent replays since. The first layer's look-up by
+    key (``get_noted``) puts it first again, so :meth:`CallCache.quick` serves the other layers;
+    its guard is made once per inference mode, however often it comes back."""
+
+    class Replay:
+        native = None
+
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, inputs, reuse_scratch=False, outputs=None, addresses=None, capturing=None):
+            return self.name
+
+    made = []
+    make = _launch.LayoutGuard.make
+    monkeypatch.setattr(_launch.LayoutGuard, "make", lambda inputs: made.append(inputs[0].shape) or make(inputs))
+    cache = _launch.CallCache()
+    steps = [(torch.randn(1, length), Replay(length)) for length in range(1, cache.RECENT + 3)]
+    for length, (x, replay) in enumerate(steps, 1):
+        cache._replays[("kv", length)] = replay
+        assert cache.get_noted(("kv", length), "probe", (x,)) is replay
+        assert cache.quick("probe", (torch.randn(1, length),)) == length
+    first_x, first = steps[0]
+    assert cache.quick("probe", (torch.randn(1, 1),)) is None  # pushed out by RECENT later steps
+    assert cache.get_noted(("kv", 1), "probe", (first_x,)) is first
+    assert cache._recent[0][2] is first and len(cache._recent) == cache.RECENT
+    assert cache.quick("probe", (torch.randn(1, 1),)) == 1
+    assert made == [(1, length) for length in range(1, cache.RECENT + 3)]  # no guard made twice
+    with torch.inference_mode():  # the C++ guards compare dispatch keys under the thread's mode
+        assert cache.get_noted(("kv", 1), "probe", (torch.randn(1, 1),)) is first
+        assert cache.quick("probe", (torch.randn(1, 1),)) == 1
+    assert len(made) == cache.RECENT + 3 and cache._recent[0][2] is first
+    cache.clear()
+    assert cache._recent == [] and not cache._entries
+
+
 # ---- the C launcher against a stub driver ------------------------------------------------------
 
 _STUB_DRIVER = r"""

@@ -685,8 +685,10 @@ class CallCache:
         self.max_entries = max_entries
         self._replays: dict = {}
         self._families: dict = {}
-        self._recent: list = []  # (probe, LayoutGuard, replay) of the latest filed replays, newest first
-        self._guarded: set = set()  # (id(replay), inference mode) that _recent got an entry for
+        self._recent: list = []  # (probe, LayoutGuard, replay) of the latest used replays, newest first
+        # (id(replay), inference mode) -> (replay, its _recent entry or None where no guard can be
+        # made): each guard is made once, however often its replay leaves _recent and comes back.
+        self._entries = BoundedNotes(max_entries)
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
@@ -709,18 +711,28 @@ class CallCache:
         return None
 
     def get_noted(self, key, probe, inputs) -> Replay | None:
-        """:meth:`get`, and a replay found there that :meth:`quick` has no guard for under the
-        current inference mode (its guard was made under the other) gets one, once per mode."""
+        """:meth:`get`, and a replay found there goes first among those :meth:`quick` looks
+        through (with its guard under the current inference mode). A decode loop needs this: each
+        step's layers make one call of a new cache length, whose replay (recorded for that length
+        in an earlier generation) was pushed out of the recent ones long ago; brought back by the
+        first layer's look-up, it serves the other layers without their keys being built."""
         replay = self.get(key)
-        if replay is not None and (id(replay), torch.is_inference_mode_enabled()) not in self._guarded:
+        if replay is not None:
             self._remember(probe, inputs, replay)
         return replay
 
     def _remember(self, probe, inputs, replay) -> None:
-        self._guarded.add((id(replay), torch.is_inference_mode_enabled()))
-        guard = LayoutGuard.make(inputs)
-        if guard is not None:
-            self._recent = [(probe, guard, replay), *self._recent[:self.RECENT - 1]]
+        """Put ``replay`` (filed with ``probe``, run with ``inputs``) first among the recent ones;
+        its guard is made from ``inputs`` once per inference mode (none where it cannot be made)."""
+        made = (id(replay), torch.is_inference_mode_enabled())
+        kept = self._entries.get(made)
+        if kept is None:
+            guard = LayoutGuard.make(inputs)
+            # The replay is kept with its entry, so its id names no other replay while the entry lasts.
+            kept = self._entries[made] = (replay, None if guard is None else (probe, guard, replay))
+        entry = kept[1]
+        if entry is not None and (not self._recent or self._recent[0] is not entry):
+            self._recent = [entry, *[e for e in self._recent if e is not entry][:self.RECENT - 1]]
 
     def get(self, key) -> Replay | None:
         """The replay of ``key``; None when there is none (yet, or ever: :meth:`run` knows)."""
@@ -783,7 +795,7 @@ class CallCache:
         self._replays.clear()
         self._families.clear()
         self._recent = []
-        self._guarded.clear()
+        self._entries.clear()
         self.notes.clear()
 
     def __len__(self) -> int:
