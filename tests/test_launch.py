@@ -408,11 +408,12 @@ def test_the_recent_calls_look_up_answers_none_for_arguments_that_are_no_scalars
         assert cache.quick(("fwd", (0.5,), (float,), scalar), (x,)) is None
 
 
-def test_a_replay_found_by_its_key_is_looked_through_first_again(monkeypatch):
+def test_a_decode_loops_replays_are_found_again_after_leaving_the_recent_ones(monkeypatch):
     """A decode loop: each step's layers make one call of a new cache length, recorded in an
-    earlier generation and pushed out of the recent replays since. The first layer's look-up by
-    key (``get_noted``) puts it first again, so :meth:`CallCache.quick` serves the other layers;
-    its guard is made once per inference mode, however often it comes back."""
+    earlier generation and pushed out of the recent replays since. :meth:`CallCache.quick` finds it
+    by its probe and leading shapes (the cache's length) and puts it first, so the other layers
+    find it at once; a look-up by key (``get_noted``) puts it first too. Each guard is made once
+    per inference mode, however often its replay comes back; the guard, not the index, decides."""
 
     class Replay:
         native = None
@@ -427,23 +428,33 @@ def test_a_replay_found_by_its_key_is_looked_through_first_again(monkeypatch):
     make = _launch.LayoutGuard.make
     monkeypatch.setattr(_launch.LayoutGuard, "make", lambda inputs: made.append(inputs[0].shape) or make(inputs))
     cache = _launch.CallCache()
-    steps = [(torch.randn(1, length), Replay(length)) for length in range(1, cache.RECENT + 3)]
-    for length, (x, replay) in enumerate(steps, 1):
+    lengths = range(1, cache.RECENT + 3)
+    steps = {length: (torch.randn(1, length), Replay(length)) for length in lengths}
+    for length, (x, replay) in steps.items():
         cache._replays[("kv", length)] = replay
         assert cache.get_noted(("kv", length), "probe", (x,)) is replay
         assert cache.quick("probe", (torch.randn(1, length),)) == length
-    first_x, first = steps[0]
-    assert cache.quick("probe", (torch.randn(1, 1),)) is None  # pushed out by RECENT later steps
-    assert cache.get_noted(("kv", 1), "probe", (first_x,)) is first
-    assert cache._recent[0][2] is first and len(cache._recent) == cache.RECENT
-    assert cache.quick("probe", (torch.randn(1, 1),)) == 1
-    assert made == [(1, length) for length in range(1, cache.RECENT + 3)]  # no guard made twice
+    assert [entry[2].name for entry in cache._recent] == list(lengths)[::-1][:cache.RECENT]
+    assert cache.quick("probe", (torch.randn(1, 1),)) == 1  # pushed out, found by its shapes
+    assert cache._recent[0][2] is steps[1][1] and len(cache._recent) == cache.RECENT
+    transposed = torch.randn(4, 2).t()[0:1]
+    assert transposed.shape == (1, 4) and cache.quick("probe", (transposed,)) is None  # the shape, not the strides
+    assert cache.quick("other probe", (torch.randn(1, 2),)) is None
+    assert cache.quick("probe", (torch.randn(1, 99),)) is None
+    for bad in (("not a tensor",), ([1, 2],)):
+        assert cache.quick("probe", bad) is None
+    assert cache.quick(("probe", [0.5]), (torch.randn(1, 2),)) is None  # unhashable: validation names it
+    for length in (2, 3):
+        x, replay = steps[length]
+        assert cache.get_noted(("kv", length), "probe", (x,)) is replay and cache._recent[0][2] is replay
+    assert made == [(1, length) for length in lengths]  # no guard made twice
     with torch.inference_mode():  # the C++ guards compare dispatch keys under the thread's mode
-        assert cache.get_noted(("kv", 1), "probe", (torch.randn(1, 1),)) is first
+        assert cache.quick("probe", (torch.randn(1, 1),)) is None
+        assert cache.get_noted(("kv", 1), "probe", (torch.randn(1, 1),)) is steps[1][1]
         assert cache.quick("probe", (torch.randn(1, 1),)) == 1
-    assert len(made) == cache.RECENT + 3 and cache._recent[0][2] is first
+    assert len(made) == len(lengths) + 1 and cache._recent[0][2] is steps[1][1]
     cache.clear()
-    assert cache._recent == [] and not cache._entries
+    assert cache._recent == [] and not cache._entries and not cache._by_shapes
 
 
 # ---- the C launcher against a stub driver ------------------------------------------------------

@@ -664,6 +664,13 @@ class BoundedNotes(dict):
         super().__setitem__(key, value)
 
 
+def _shapes_key(probe, inputs) -> tuple:
+    """``probe`` with the shapes of the first three inputs (None for None): ``CallCache``'s index
+    of the replays that left the recent ones. Raises AttributeError for an input that is no
+    tensor, TypeError (when hashed) for a probe holding an array."""
+    return (probe, *[None if x is None else x.shape for x in inputs[:3]])
+
+
 class CallCache:
     """Replays of recorded calls, by key (the caller's: its name, the :func:`layout` of each
     tensor and every scalar argument). Bounded: cleared when it grows past ``max_entries``.
@@ -689,6 +696,7 @@ class CallCache:
         # (id(replay), inference mode) -> (replay, its _recent entry or None where no guard can be
         # made): each guard is made once, however often its replay leaves _recent and comes back.
         self._entries = BoundedNotes(max_entries)
+        self._by_shapes = BoundedNotes(max_entries)  # _shapes_key -> the _recent entry last remembered there
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
@@ -698,7 +706,12 @@ class CallCache:
         (:class:`LayoutGuard`), run on ``inputs`` (keeping its temporaries per stream with
         ``reuse_scratch``, see :meth:`Replay.run`); None when there is none. What a caller that
         makes the same few calls over and over (a model's layers) finds without building its key:
-        :func:`layouts` of every tensor and the key's hash cost more than this look-up."""
+        :func:`layouts` of every tensor and the key's hash cost more than this look-up.
+
+        Past the recent replays, the one last remembered with ``probe`` and the shapes of
+        ``inputs``' first three tensors is tried (then put first): a decode loop's first layer
+        of each step, whose cache is one token longer than at the step before, finds the replay
+        of that length recorded in an earlier generation."""
         for filed, guard, replay in self._recent:
             try:
                 same = filed == probe
@@ -708,7 +721,16 @@ class CallCache:
                 results = guard.run(replay, inputs, capturing=capturing, reuse_scratch=reuse_scratch)
                 if results is not None:
                     return results
-        return None
+        try:
+            entry = self._by_shapes.get(_shapes_key(probe, inputs))
+        except (AttributeError, TypeError):  # no tensor, or an unhashable argument: validation names it
+            return None
+        if entry is None:
+            return None
+        results = entry[1].run(entry[2], inputs, capturing=capturing, reuse_scratch=reuse_scratch)
+        if results is not None:
+            self._put_first(entry)
+        return results
 
     def get_noted(self, key, probe, inputs) -> Replay | None:
         """:meth:`get`, and a replay found there goes first among those :meth:`quick` looks
@@ -731,7 +753,15 @@ class CallCache:
             # The replay is kept with its entry, so its id names no other replay while the entry lasts.
             kept = self._entries[made] = (replay, None if guard is None else (probe, guard, replay))
         entry = kept[1]
-        if entry is not None and (not self._recent or self._recent[0] is not entry):
+        if entry is not None:
+            try:
+                self._by_shapes[_shapes_key(probe, inputs)] = entry
+            except (AttributeError, TypeError):
+                pass
+            self._put_first(entry)
+
+    def _put_first(self, entry) -> None:
+        if not self._recent or self._recent[0] is not entry:
             self._recent = [entry, *[e for e in self._recent if e is not entry][:self.RECENT - 1]]
 
     def get(self, key) -> Replay | None:
@@ -796,6 +826,7 @@ class CallCache:
         self._families.clear()
         self._recent = []
         self._entries.clear()
+        self._by_shapes.clear()
         self.notes.clear()
 
     def __len__(self) -> int:
