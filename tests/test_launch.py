@@ -437,22 +437,28 @@ def test_a_decode_loops_replays_are_found_again_after_leaving_the_recent_ones(mo
     assert [entry[2].name for entry in cache._recent] == list(lengths)[::-1][:cache.RECENT]
     assert cache.quick("probe", (torch.randn(1, 1),)) == 1  # pushed out, found by its shapes
     assert cache._recent[0][2] is steps[1][1] and len(cache._recent) == cache.RECENT
-    transposed = torch.randn(4, 2).t()[0:1]
-    assert transposed.shape == (1, 4) and cache.quick("probe", (transposed,)) is None  # the shape, not the strides
+    recent = list(cache._recent)
+    transposed = torch.randn(2, 2).t()[0:1]  # length 2's shape, not its strides; no recent entry
+    assert transposed.shape == (1, 2) and cache.quick("probe", (transposed,)) is None
     assert cache.quick("other probe", (torch.randn(1, 2),)) is None
-    assert cache.quick("probe", (torch.randn(1, 99),)) is None
-    for bad in (("not a tensor",), ([1, 2],)):
+    assert cache._recent == recent  # nothing put first that its guard refused
+    nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    for bad in (("not a tensor",), ([1, 2],), (nested,), (torch.randn(1, 2), nested)):
         assert cache.quick("probe", bad) is None
     assert cache.quick(("probe", [0.5]), (torch.randn(1, 2),)) is None  # unhashable: validation names it
     for length in (2, 3):
         x, replay = steps[length]
         assert cache.get_noted(("kv", length), "probe", (x,)) is replay and cache._recent[0][2] is replay
+    x, replay = steps[9]  # a recent entry, not the first: moved, not copied
+    assert cache.get_noted(("kv", 9), "probe", (x,)) is replay
+    assert [entry[2].name for entry in cache._recent] == [9, 3, 2, 1, 10, 8, 7, 6]
     assert made == [(1, length) for length in lengths]  # no guard made twice
     with torch.inference_mode():  # the C++ guards compare dispatch keys under the thread's mode
         assert cache.quick("probe", (torch.randn(1, 1),)) is None
         assert cache.get_noted(("kv", 1), "probe", (torch.randn(1, 1),)) is steps[1][1]
         assert cache.quick("probe", (torch.randn(1, 1),)) == 1
     assert len(made) == len(lengths) + 1 and cache._recent[0][2] is steps[1][1]
+    assert len({id(entry) for entry in cache._recent}) == len(cache._recent) == cache.RECENT  # each once
     cache.clear()
     assert cache._recent == [] and not cache._entries and not cache._by_shapes
 

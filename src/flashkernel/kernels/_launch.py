@@ -664,10 +664,15 @@ class BoundedNotes(dict):
         super().__setitem__(key, value)
 
 
+_NO_SHAPES_KEY = (AttributeError, TypeError, RuntimeError)
+
+
 def _shapes_key(probe, inputs) -> tuple:
     """``probe`` with the shapes of the first three inputs (None for None): ``CallCache``'s index
-    of the replays that left the recent ones. Raises AttributeError for an input that is no
-    tensor, TypeError (when hashed) for a probe holding an array."""
+    of the replays that left the recent ones. Raises one of ``_NO_SHAPES_KEY`` for bad input: an
+    argument without a shape (AttributeError), a nested tensor (RuntimeError), a probe holding an
+    array (TypeError, when hashed). An object with a shape that is no tensor passes here; the
+    guard turns it away."""
     return (probe, *[None if x is None else x.shape for x in inputs[:3]])
 
 
@@ -692,10 +697,13 @@ class CallCache:
         self.max_entries = max_entries
         self._replays: dict = {}
         self._families: dict = {}
-        self._recent: list = []  # (probe, LayoutGuard, replay) of the latest used replays, newest first
+        # (probe, LayoutGuard, replay) of the replays last filed, looked up by key or found by
+        # shapes (quick), newest first
+        self._recent: list = []
         # (id(replay), inference mode) -> (replay, its _recent entry or None where no guard can be
-        # made): each guard is made once, however often its replay leaves _recent and comes back.
-        self._entries = BoundedNotes(max_entries)
+        # made): a guard is made once per replay and mode while this lasts (cleared with the
+        # replays, or when full), however often its replay leaves _recent and comes back.
+        self._entries = BoundedNotes(2 * max_entries)
         self._by_shapes = BoundedNotes(max_entries)  # _shapes_key -> the _recent entry last remembered there
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
@@ -721,11 +729,13 @@ class CallCache:
                 results = guard.run(replay, inputs, capturing=capturing, reuse_scratch=reuse_scratch)
                 if results is not None:
                     return results
+        if not self._by_shapes:
+            return None
         try:
             entry = self._by_shapes.get(_shapes_key(probe, inputs))
-        except (AttributeError, TypeError):  # no tensor, or an unhashable argument: validation names it
+        except _NO_SHAPES_KEY:  # bad input: validation names it
             return None
-        if entry is None:
+        if entry is None or any(entry is e for e in self._recent):  # its guard said no above
             return None
         results = entry[1].run(entry[2], inputs, capturing=capturing, reuse_scratch=reuse_scratch)
         if results is not None:
@@ -756,7 +766,7 @@ class CallCache:
         if entry is not None:
             try:
                 self._by_shapes[_shapes_key(probe, inputs)] = entry
-            except (AttributeError, TypeError):
+            except _NO_SHAPES_KEY:
                 pass
             self._put_first(entry)
 
