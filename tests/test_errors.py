@@ -48,6 +48,27 @@ def test_not_a_tensor(func):
 
 
 @pytest.mark.parametrize("func", FUNCS)
+def test_nested_or_sparse_tensor(func):
+    """A nested tensor's shape raises PyTorch's internal RuntimeError; every public call names it
+    first (the replay look-up turns it away without reading it)."""
+    q, k, v = qkv()
+    nested = torch.nested.nested_tensor([torch.randn(3, 4, 64), torch.randn(5, 4, 64)]).to(DEVICE, torch.float16)
+    raises(TypeError, "q is a nested tensor; .* flash_attn_varlen_func", func, nested, k, v)
+    raises(TypeError, "k has layout torch.sparse_coo; .* .to_dense()", func, q, k.float().to_sparse().half(), v)
+
+
+def test_nested_tensor_in_the_cache_and_packed_calls():
+    q, k, v = qkv()
+    nested = torch.nested.nested_tensor([torch.randn(3, 4, 64), torch.randn(5, 4, 64)]).to(DEVICE, torch.float16)
+    lengths = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    raises(TypeError, "q is a nested tensor", flashkernel.flash_attn_with_kvcache, nested, k, v, cache_seqlens=lengths)
+    raises(TypeError, "k_cache is a nested tensor", flashkernel.flash_attn_with_kvcache, q, nested, v,
+           cache_seqlens=lengths)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    raises(TypeError, "q is a nested tensor", flashkernel.flash_attn_varlen_func, nested, k[0], v[0], cu, cu, 8, 8)
+
+
+@pytest.mark.parametrize("func", FUNCS)
 def test_mismatched_batch(func):
     q, k, v = qkv(kv_shape=(3, 8, 2, 64))
     raises(ValueError, "k has batch 3 but q has batch 1", func, q, k, v)

@@ -26,6 +26,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type_name(x)}")
+    if x.is_nested:
+        raise TypeError(f"{name} is a nested tensor; flashkernel takes dense tensors: pack ragged sequences into "
+                        "one [total, heads, head_dim] tensor and call flash_attn_varlen_func with cu_seqlens")
+    if x.layout is not torch.strided:
+        raise TypeError(f"{name} has layout {x.layout}; flashkernel takes dense (torch.strided) tensors: "
+                        "call .to_dense() on it")
 
 
 def check_rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:

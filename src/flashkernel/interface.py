@@ -55,7 +55,7 @@ def _key(probe: tuple, tensors) -> tuple | None:
     not a tensor (bad input: validation names it)."""
     try:
         return (*probe, layouts(tensors))
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a nested tensor's shape
         return None
 
 
