@@ -14,7 +14,7 @@ import torch
 
 from . import _checks, ops, reference
 from .kernels import decode, dispatch, naive
-from .kernels._launch import CallCache, allocate, layouts, runtime_key, stream_capturing
+from .kernels._launch import UNREADABLE, CallCache, allocate, layouts, runtime_key, stream_capturing
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_kv", "standard_attention"]
 
@@ -55,7 +55,7 @@ def _key(probe: tuple, tensors) -> tuple | None:
     not a tensor (bad input: validation names it)."""
     try:
         return (*probe, layouts(tensors))
-    except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a nested tensor's shape
+    except UNREADABLE:
         return None
 
 

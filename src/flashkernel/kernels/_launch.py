@@ -99,6 +99,11 @@ def parameter_keys(kernel) -> tuple:
     return tuple(value_key if p.is_constexpr else runtime_key for p in params)
 
 
+# What reading a bad argument's layout raises: no tensor (AttributeError, TypeError), a nested
+# tensor's shape (RuntimeError). Look-ups answer "no match" on these; validation names the argument.
+UNREADABLE = (AttributeError, TypeError, RuntimeError)
+
+
 # ---- recording --------------------------------------------------------------------------------
 
 _ACTIVE = threading.local()
@@ -587,7 +592,7 @@ class LayoutGuard:
                     return None
             if not self._check(*checked):
                 return None
-        except (AttributeError, TypeError, RuntimeError):  # a missing or non-tensor argument
+        except UNREADABLE:  # a missing or non-tensor argument
             return None
         for i, j in self._same:
             if tensors[i] is not tensors[j]:
@@ -664,15 +669,11 @@ class BoundedNotes(dict):
         super().__setitem__(key, value)
 
 
-_NO_SHAPES_KEY = (AttributeError, TypeError, RuntimeError)
-
-
 def _shapes_key(probe, inputs) -> tuple:
     """``probe`` with the shapes of the first three inputs (None for None): ``CallCache``'s index
-    of the replays that left the recent ones. Raises one of ``_NO_SHAPES_KEY`` for bad input: an
-    argument without a shape (AttributeError), a nested tensor (RuntimeError), a probe holding an
-    array (TypeError, when hashed). An object with a shape that is no tensor passes here; the
-    guard turns it away."""
+    of the replays that left the recent ones. Raises one of :data:`UNREADABLE` for bad input (a
+    probe holding an array: TypeError, when hashed). An object with a shape that is no tensor
+    passes here; the guard turns it away."""
     return (probe, *[None if x is None else x.shape for x in inputs[:3]])
 
 
@@ -700,8 +701,8 @@ class CallCache:
         # (probe, LayoutGuard, replay) of the replays last filed, looked up by key or found by
         # shapes (quick), newest first
         self._recent: list = []
-        # (id(replay), inference mode) -> (replay, its _recent entry or None where no guard can be
-        # made): a guard is made once per replay and mode while this lasts (cleared with the
+        # (id(replay), inference mode) -> its entry (probe, guard or None where none can be made,
+        # replay): a guard is made once per replay and mode while this lasts (cleared with the
         # replays, or when full), however often its replay leaves _recent and comes back.
         self._entries = BoundedNotes(2 * max_entries)
         self._by_shapes = BoundedNotes(max_entries)  # _shapes_key -> the _recent entry last remembered there
@@ -733,7 +734,7 @@ class CallCache:
             return None
         try:
             entry = self._by_shapes.get(_shapes_key(probe, inputs))
-        except _NO_SHAPES_KEY:  # bad input: validation names it
+        except UNREADABLE:  # bad input: validation names it
             return None
         if entry is None or any(entry is e for e in self._recent):  # its guard said no above
             return None
@@ -757,18 +758,17 @@ class CallCache:
         """Put ``replay`` (filed with ``probe``, run with ``inputs``) first among the recent ones;
         its guard is made from ``inputs`` once per inference mode (none where it cannot be made)."""
         made = (id(replay), torch.is_inference_mode_enabled())
-        kept = self._entries.get(made)
-        if kept is None:
-            guard = LayoutGuard.make(inputs)
-            # The replay is kept with its entry, so its id names no other replay while the entry lasts.
-            kept = self._entries[made] = (replay, None if guard is None else (probe, guard, replay))
-        entry = kept[1]
-        if entry is not None:
-            try:
-                self._by_shapes[_shapes_key(probe, inputs)] = entry
-            except _NO_SHAPES_KEY:
-                pass
-            self._put_first(entry)
+        entry = self._entries.get(made)
+        if entry is None:
+            # The entry holds the replay, so its id names no other replay while the entry lasts.
+            entry = self._entries[made] = (probe, LayoutGuard.make(inputs), replay)
+        if entry[1] is None:  # no guard can be made: quick never serves it
+            return
+        try:
+            self._by_shapes[_shapes_key(probe, inputs)] = entry
+        except UNREADABLE:
+            pass
+        self._put_first(entry)
 
     def _put_first(self, entry) -> None:
         if not self._recent or self._recent[0] is not entry:
