@@ -402,7 +402,7 @@ def test_the_recent_calls_look_up_answers_none_for_arguments_that_are_no_scalars
 
     x = torch.randn(4, 8)
     cache = _launch.CallCache()
-    cache._recent = [(("fwd", (0.5,), (float,), None), _launch.LayoutGuard.make((x,)), "replay")]
+    cache._recent = [(("fwd", (0.5,), (float,), None), _launch.LayoutGuard.make((x,)), "replay", None)]
     for scalar in (torch.tensor([1.0, 2.0]), np.array([4, 0])):
         assert cache.quick(("fwd", (scalar,), (type(scalar),), None), (x,)) is None
         assert cache.quick(("fwd", (0.5,), (float,), scalar), (x,)) is None
@@ -459,6 +459,20 @@ def test_a_decode_loops_replays_are_found_again_after_leaving_the_recent_ones(mo
         assert cache.quick("probe", (torch.randn(1, 1),)) == 1
     assert len(made) == len(lengths) + 1 and cache._recent[0][2] is steps[1][1]
     assert len({id(entry) for entry in cache._recent}) == len(cache._recent) == cache.RECENT  # each once
+    # Once a guard refuses, only the recent replays of the call's shapes are tried (a guard refuses
+    # the others): the first layer of a step pays one refusal, not one per recent replay.
+    tried = []
+    run = _launch.LayoutGuard.run
+    monkeypatch.setattr(_launch.LayoutGuard, "run", lambda self, replay, *a, **k: tried.append(replay.name)
+                        or run(self, replay, *a, **k))
+    assert [entry[2].name for entry in cache._recent] == [1, 9, 3, 2, 1, 10, 8, 7]  # the first: inference mode's
+    assert cache.quick("probe", (torch.randn(1, 7),)) == 7 and tried == [1, 7]
+    tried.clear()
+    assert cache.quick("probe", (torch.randn(1, 4),)) == 4 and tried == [1, 4]  # the index's, put first
+    tried.clear()
+    assert cache.quick("probe", (torch.randn(1, 12),)) is None and tried == [4]
+    tried.clear()
+    assert cache.quick("probe", (transposed,)) is None and tried == [4, 2]  # its shapes, not its strides
     cache.clear()
     assert cache._recent == [] and not cache._entries and not cache._by_shapes
 
@@ -731,7 +745,7 @@ def test_checked_runs_without_kept_temporaries_allocate_them_per_run(stub_native
     # CallCache.quick passes the choice on (no fixed tensors: a replay of the three inputs alone).
     replay3, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4])  # q, k, temp, out
     calls = _launch.CallCache()
-    calls._recent = [("probe", guard, replay3)]
+    calls._recent = [("probe", guard, replay3, None)]
     allocated.clear()
     (out,) = calls.quick("probe", (q, k, None), reuse_scratch=False)
     assert allocated == [(4,), (2, 3)] and replay3._scratch_by_stream == {}
@@ -778,7 +792,7 @@ def test_kept_temporaries_are_made_on_a_helper_thread_on_the_runs_stream(stub_na
     # CallCache.quick (the registered ops' first look-up) keeps them alike.
     replay3, streams = _stub_replay(monkeypatch, native, stub, [0, 1, 3, 4])  # q, k, temp, out; stream 7
     calls = _launch.CallCache()
-    calls._recent = [("probe", guard, replay3)]
+    calls._recent = [("probe", guard, replay3, None)]
     calls.quick("probe", (q, k, None))
     assert list(replay3._scratch_by_stream) == [7] and made_on[-1][1] == 7 and len(made_on) == 3
     # The Python path (no C checks) alike.

@@ -669,12 +669,11 @@ class BoundedNotes(dict):
         super().__setitem__(key, value)
 
 
-def _shapes_key(probe, inputs) -> tuple:
-    """``probe`` with the shapes of the first three inputs (None for None): ``CallCache``'s index
-    of the replays that left the recent ones. Raises one of :data:`UNREADABLE` for bad input (a
-    probe holding an array: TypeError, when hashed). An object with a shape that is no tensor
-    passes here; the guard turns it away."""
-    return (probe, *[None if x is None else x.shape for x in inputs[:3]])
+def _leading_shapes(inputs) -> tuple:
+    """The shapes of the first three inputs (None for None): with the probe, ``CallCache``'s
+    index of the replays that left the recent ones. Raises one of :data:`UNREADABLE` for bad
+    input. An object with a shape that is no tensor passes here; the guard turns it away."""
+    return tuple([None if x is None else x.shape for x in inputs[:3]])
 
 
 class CallCache:
@@ -698,14 +697,14 @@ class CallCache:
         self.max_entries = max_entries
         self._replays: dict = {}
         self._families: dict = {}
-        # (probe, LayoutGuard, replay) of the replays last filed, looked up by key or found by
-        # shapes (quick), newest first
+        # (probe, LayoutGuard, replay, _leading_shapes of its inputs or None) of the replays last
+        # filed, looked up by key or found by shapes (quick), newest first
         self._recent: list = []
         # (id(replay), inference mode) -> its entry (probe, guard or None where none can be made,
         # replay): a guard is made once per replay and mode while this lasts (cleared with the
         # replays, or when full), however often its replay leaves _recent and comes back.
         self._entries = BoundedNotes(2 * max_entries)
-        self._by_shapes = BoundedNotes(max_entries)  # _shapes_key -> the _recent entry last remembered there
+        self._by_shapes = BoundedNotes(max_entries)  # (probe, shapes) -> the _recent entry last remembered there
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
 
@@ -720,20 +719,29 @@ class CallCache:
         Past the recent replays, the one last remembered with ``probe`` and the shapes of
         ``inputs``' first three tensors is tried (then put first): a decode loop's first layer
         of each step, whose cache is one token longer than at the step before, finds the replay
-        of that length recorded in an earlier generation."""
-        for filed, guard, replay in self._recent:
+        of that length recorded in an earlier generation. Once one guard has refused ``inputs``,
+        the other recent replays of ``probe`` are tried only where those shapes are theirs (a
+        guard refuses other shapes; trying one costs a few microseconds of Python)."""
+        shapes = None
+        for filed, guard, replay, filed_shapes in self._recent:
             try:
                 same = filed == probe
             except Exception:  # noqa: BLE001 - an argument that is no scalar (an array): validation names it
                 return None
-            if same:
-                results = guard.run(replay, inputs, capturing=capturing, reuse_scratch=reuse_scratch)
-                if results is not None:
-                    return results
+            if not same or (shapes is not None and filed_shapes is not None and filed_shapes != shapes):
+                continue
+            results = guard.run(replay, inputs, capturing=capturing, reuse_scratch=reuse_scratch)
+            if results is not None:
+                return results
+            if shapes is None:
+                try:
+                    shapes = _leading_shapes(inputs)
+                except UNREADABLE:  # bad input: validation names it
+                    return None
         if not self._by_shapes:
             return None
         try:
-            entry = self._by_shapes.get(_shapes_key(probe, inputs))
+            entry = self._by_shapes.get((probe, shapes if shapes is not None else _leading_shapes(inputs)))
         except UNREADABLE:  # bad input: validation names it
             return None
         if entry is None or any(entry is e for e in self._recent):  # its guard said no above
@@ -760,14 +768,19 @@ class CallCache:
         made = (id(replay), torch.is_inference_mode_enabled())
         entry = self._entries.get(made)
         if entry is None:
+            try:
+                shapes = _leading_shapes(inputs)
+            except UNREADABLE:
+                shapes = None
             # The entry holds the replay, so its id names no other replay while the entry lasts.
-            entry = self._entries[made] = (probe, LayoutGuard.make(inputs), replay)
+            entry = self._entries[made] = (probe, LayoutGuard.make(inputs), replay, shapes)
         if entry[1] is None:  # no guard can be made: quick never serves it
             return
-        try:
-            self._by_shapes[_shapes_key(probe, inputs)] = entry
-        except UNREADABLE:
-            pass
+        if entry[3] is not None:
+            try:
+                self._by_shapes[entry[0], entry[3]] = entry
+            except UNREADABLE:  # a probe that cannot be hashed
+                pass
         self._put_first(entry)
 
     def _put_first(self, entry) -> None:
