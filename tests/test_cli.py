@@ -212,3 +212,36 @@ def test_info_on_cpu(capsys):
 def test_bench_backward_without_cuda_says_so(capsys):
     code, out, _ = run_cli(capsys, "bench", "backward")
     assert code == 2 and "backward benchmark needs a CUDA GPU" in out
+
+
+def test_bench_sections_reach_each_benchmarks_own_command_line(monkeypatch, tmp_path):
+    """``flashkernel bench overhead|e2e|kvquant|backward --sections ...`` hands the names to that
+    benchmark's own parser (which checks them); without ``--sections`` each runs its default set."""
+    import argparse
+
+    from flashkernel.bench import backward, e2e, kvquant, overhead
+
+    seen = {}
+    for name, module in (("overhead", overhead), ("e2e", e2e), ("kvquant", kvquant), ("backward", backward)):
+        monkeypatch.setattr(module, "main", lambda argv, name=name: seen.__setitem__(name, argv) or 0)
+    commands = {"overhead": cli.cmd_bench_overhead, "e2e": cli.cmd_bench_e2e, "kvquant": cli.cmd_bench_kvquant,
+                "backward": cli.cmd_bench_backward}
+    for sections in (["growing"], None):
+        args = argparse.Namespace(out=str(tmp_path), quick=False, no_progress=True, no_plots=True, append=False,
+                                  sections=sections)
+        for name, command in commands.items():
+            assert command(args, "cuda") == 0
+            argv = seen[name]
+            if sections:
+                assert argv[argv.index("--sections") + 1:][:1] == ["growing"], (name, argv)
+            elif name == "backward":
+                assert argv[argv.index("--sections") + 1:] == list(backward.SECTIONS)
+            else:
+                assert "--sections" not in argv, (name, argv)
+
+
+def test_bench_sections_of_a_benchmark_without_sections_is_an_error(capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["bench", "prefill", "--sections", "decode"])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2 and "--sections applies to bench overhead, e2e, kvquant, backward" in err

@@ -235,7 +235,7 @@ def cmd_bench_overhead(args, device) -> int:
 
     out_dir = Path(args.out) if args.out else default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return overhead.main(["--out", str(out_dir / "overhead.json")])
+    return overhead.main(["--out", str(out_dir / "overhead.json"), *_sections(args)])
 
 
 def cmd_bench_e2e(args, device) -> int:
@@ -253,7 +253,7 @@ def cmd_bench_e2e(args, device) -> int:
     argv += ["--no-progress"] if args.no_progress else []
     argv += ["--no-plots"] if args.no_plots else []
     argv += ["--append"] if args.append else []
-    return e2e.main(argv)
+    return e2e.main(argv + _sections(args))
 
 
 def cmd_bench_kvquant(args, device) -> int:
@@ -265,7 +265,9 @@ def cmd_bench_kvquant(args, device) -> int:
     argv = ["--out", str(out_dir)]
     if args.quick:
         argv.append("--quick")
-    if device != "cuda":
+    if args.sections:
+        argv += _sections(args)
+    elif device != "cuda":
         print("no CUDA device: only the accuracy section (float64 reference, no kernel) runs here")
         argv += ["--sections", "accuracy"]
     return kvquant.main(argv)
@@ -284,13 +286,26 @@ def cmd_bench_backward(args, device) -> int:
     out_dir = Path(args.out) if args.out else default_out_dir(device)
     argv = ["--out", str(out_dir / "backward.json"), "--plot", "--sections"]
     if args.quick:  # no model section: its training steps are most of the run
-        argv += [*(s for s in backward.SECTIONS if s != "model"), "--seqlens", "1024", "4096", "--rep-ms", "100"]
+        argv += [*(args.sections or (s for s in backward.SECTIONS if s != "model")), "--seqlens", "1024", "4096",
+                 "--rep-ms", "100"]
     else:
-        argv += backward.SECTIONS
+        argv += args.sections or backward.SECTIONS
     return backward.main(argv)
 
 
+# The benchmarks whose own command lines take --sections (each checks the names it is given).
+SECTIONED = ("overhead", "e2e", "kvquant", "backward")
+
+
+def _sections(args) -> list[str]:
+    """``--sections`` and the names given, for a benchmark's own command line; none when not given."""
+    return ["--sections", *args.sections] if args.sections else []
+
+
 def cmd_bench(args, argv, device, parser) -> int:
+    if args.sections and args.workload not in SECTIONED:
+        parser.error(f"--sections applies to bench {', '.join(SECTIONED)} (each benchmark's own sections), not to "
+                     f"bench {args.workload}")
     if args.workload == "e2e":
         return cmd_bench_e2e(args, device)
     if args.workload == "variants":
@@ -478,6 +493,9 @@ def _add_bench(sub) -> None:
     bench.add_argument("--warmup-ms", type=float, help="warm-up per provider and case (200; quick 50): long enough for the GPU clock to recover after a compile pause")
     bench.add_argument("--rep-ms", type=float, help="measuring time per provider and case (40; quick 20)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--sections", nargs="+", metavar="SECTION",
+                       help="overhead, e2e, kvquant, backward: only these sections of that benchmark (their names: "
+                            "python -m flashkernel.bench.<workload> --help; default: each one's default set)")
     bench.set_defaults(handler=cmd_bench)
 
 

@@ -1,7 +1,7 @@
 """Quantized KV caches: decode steps over bf16, float8_e4m3fn and int8 caches, and what each format costs in accuracy.
 
     flashkernel bench kvquant --out benchmarks/results/h200            # GPU: kvquant.{json,csv,png}
-    flashkernel bench kvquant --sections perf --shapes 1:4096 64:4096  # GPU: chosen shapes only
+    python -m flashkernel.bench.kvquant --sections perf --shapes 1:4096 64:4096  # GPU: chosen shapes only
     python -m flashkernel.bench.kvquant --sections accuracy --markdown # CPU is enough: the README's table
     python -m flashkernel.bench.kvquant --sections sweep --out DIR [--sweep-layouts paged16]  # tile configs
         [--sweep-shapes 64:4096 128:4096] [--sweep-configs 32x4w4s 128x4w3s]
