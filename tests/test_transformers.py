@@ -155,11 +155,12 @@ def test_right_padded_and_unpadded_prefill(dtype):
     assert_logits_close(ours, ref, ids, torch.ones_like(mask))
 
 
-def test_packed_sequences_attend_only_their_own_tokens():
+@pytest.mark.parametrize("lengths", [(17, 23), (5, 7)])
+def test_packed_sequences_attend_only_their_own_tokens(lengths):
     """Batch 1 holding two sequences: from restarting position_ids, or from cu_seq_lens (as
-    transformers' DataCollatorWithFlattening passes them); each equals the sequence run alone."""
+    transformers' DataCollatorWithFlattening passes them); each equals the sequence run alone.
+    Also where all of them fit in one decode-sized call (at most 16 tokens)."""
     ref, ours = tiny_models("qwen3")
-    lengths = (17, 23)
     seqs = [torch.randint(1, TINY["vocab_size"], (1, n), device=DEVICE) for n in lengths]
     positions = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
     cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=DEVICE)

@@ -47,7 +47,8 @@ The mask function (:func:`key_spans_mask`) runs once per forward: it turns trans
 padding mask and the cache's offsets into each sequence's key span ``(start, end, existing)``,
 returned as an int32 ``[B, 1, 1, 3]`` tensor (4-D, so that transformers passes it through as an
 already prepared mask when ``generate`` builds masks ahead of a compiled forward), or None when
-the keys are exactly the tensors' rows (no padding, no cache offset; prefill only). Nothing in it
+the keys are exactly the tensors' rows (no padding, no cache offset: a prefill, or a first
+forward of any length). Nothing in it
 or in the attention function reads a tensor's values on the host while torch.compile traces, so a
 compiled model with a static cache has no graph break; in eager mode one all-ones check of the
 padding mask per forward (as transformers' sdpa mask makes) and, for batch-1 prefills, the
@@ -117,8 +118,10 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     or None.
 
     Returns None when every sequence's keys are exactly the ``kv_length`` columns and this is a
-    prefill (``q_length > DECODE_MAX_QUERIES``); else an int32 ``[B, 1, 1, 3]`` tensor holding per
-    sequence ``(start, end, existing)``: its valid keys are columns ``[start, end)`` (the first
+    prefill (``q_length > DECODE_MAX_QUERIES``) or the queries are all the keys (a first forward,
+    however short: its ``position_ids`` may pack several sequences, which the attention reads);
+    else an int32 ``[B, 1, 1, 3]`` tensor holding per sequence ``(start, end, existing)``: its
+    valid keys are columns ``[start, end)`` (the first
     and one past the last valid column of its padding mask below ``existing``; ``start = end =
     existing`` when it has none). In eager mode one device-to-host copy checks whether the mask
     pads anything (transformers' sdpa mask makes the same), and a second, where it does, whether
@@ -141,7 +144,7 @@ def key_spans_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             and _all_valid(padding[:, :existing])):  # a device-to-host copy, as transformers' sdpa mask makes
         padding = None
     if padding is None and isinstance(existing, int):
-        if existing == kv_length and q_length > DECODE_MAX_QUERIES:
+        if existing == kv_length and (q_length > DECODE_MAX_QUERIES or q_length == kv_length):
             return None
         spans = torch.full((batch_size, 1, 1, SPAN_FIELDS), existing, dtype=torch.int32, device=device)
         spans[..., 0] = 0
