@@ -138,6 +138,13 @@ def test_cpu_tensors_outside_interpreter(func, monkeypatch):
 
 
 @pytest.mark.parametrize("func", FUNCS)
+def test_tensors_on_a_device_no_kernel_runs_on(func):
+    q, k, v = qkv(device="meta")
+    raises(ValueError, r"q is on meta; flashkernel's kernels run on CUDA GPUs \(and on the CPU through Triton's "
+           r"interpreter, TRITON_INTERPRET=1\): move the tensors to a CUDA device", func, q, k, v)
+
+
+@pytest.mark.parametrize("func", FUNCS)
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
 def test_bad_softmax_scale_value(func, scale):
     q, k, v = qkv()

@@ -764,6 +764,9 @@ def test_kvcache_bookkeeping():
     assert [len(cache.pages(s)) for s in range(3)] == [1, 3, 1] and cache.free_pages() == 5
     cache.advance(3)
     assert cache.cache_seqlens.tolist() == [3, 9, 3]
+    assert repr(cache) == (f"KVCache(num_blocks=10, page_size=4, num_kv_heads=2, head_dim=8, batch=3, "
+                           f"max_blocks_per_seq=4, dtype=torch.float16, device={cache.k_pages.device}; "
+                           "lengths [3, 9, 3], 5 of 10 pages free)")
     cache.free(1)
     assert cache.free_pages() == 8 and cache.length(1) == 0 and cache.cache_seqlens[1] == 0
     assert cache.block_table[1].tolist() == [-1] * 4, "a freed row must name no page"

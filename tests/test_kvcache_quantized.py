@@ -279,6 +279,12 @@ def test_quantize_kv_takes_static_scales_and_zero_caches():
     assert torch.equal(k_q.float(), reference.quantize(k, scale[:, None], torch.float8_e4m3fn).float())
     assert torch.equal(k_scale, scale) and k_scale is not scale
     assert torch.equal(v_scale, torch.ones(2, device=DEVICE)) and not v_q.float().any()
+    # A float stands for that scale in every head (per tensor: the one scale), as KVCache takes it.
+    for granularity, size in (("head", 2), ("tensor", 1)):
+        k_f, v_f, k_scale, v_scale = flashkernel.quantize_kv(k, k, granularity=granularity, k_scale=0.05, v_scale=2)
+        want = torch.full((size,), 0.05, device=DEVICE)
+        assert torch.equal(k_scale, want) and torch.equal(v_scale, torch.full((size,), 2.0, device=DEVICE))
+        assert torch.equal(k_f.float(), reference.quantize(k, torch.tensor(0.05, device=DEVICE), torch.float8_e4m3fn).float())
 
 
 # ---- KVCache and DecodePlan ------------------------------------------------------------------------
@@ -408,7 +414,11 @@ def test_gluon_backend_refuses_per_token_scales():
     (dict(granularity="head", k_scale=torch.ones(1)), ValueError, r"k_scale has shape \(1,\); a per-head scale "
                                                                   r"has shape \(2,\)"),
     (dict(v_scale=torch.ones(1, dtype=torch.float64)), TypeError, "v_scale has dtype float64"),
-], ids=["format", "granularity", "token-with-scale", "head-scale-shape", "scale-dtype"])
+    (dict(k_scale=-0.5), ValueError, r"k_scale must be finite and positive, got -0.5"),
+    (dict(granularity="token", v_scale=0.5), ValueError, "v_scale is given with granularity 'token'"),
+    (dict(k_scale=True), TypeError, "k_scale must be a torch.Tensor"),
+], ids=["format", "granularity", "token-with-scale", "head-scale-shape", "scale-dtype", "negative-float",
+        "token-with-float", "bool"])
 def test_quantize_kv_rejects_bad_arguments(kwargs, exc, match):
     k = torch.randn(2, 8, 2, 32, device=DEVICE).half()
     kwargs = {key: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
@@ -427,7 +437,10 @@ def test_quantize_kv_rejects_bad_arguments(kwargs, exc, match):
     (dict(cache_dtype=torch.int8, scale_granularity="head", k_scale=torch.ones(3)), ValueError,
      r"k_scale must be a float or a float32 tensor of 2 element\(s\) \(per head\)"),
     (dict(k_scale=0.5), ValueError, "k_scale/v_scale are given but cache_dtype is torch.float16"),
-], ids=["format", "granularity", "token-with-scale", "negative", "head-shape", "scale-without-quantized-cache"])
+    (dict(scale_granularity="token"), ValueError,
+     "scale_granularity='token' is given but cache_dtype is torch.float16: scales belong to a quantized cache"),
+], ids=["format", "granularity", "token-with-scale", "negative", "head-shape", "scale-without-quantized-cache",
+        "granularity-without-quantized-cache"])
 def test_kvcache_rejects_bad_quantization_arguments(overrides, exc, match):
     with pytest.raises(exc, match=match):
         flashkernel.KVCache(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=32, batch=1, max_blocks_per_seq=2,

@@ -114,6 +114,7 @@ def test_interpreter_and_unsupported_calls_use_triton():
     q, k, v = random_qkv(1, 8, 8, 2, 1, 128, torch.float16)
     if not HOPPER:
         assert "needs" in dispatch.prefill_refusal("gluon", q, k, v, plain)
+        assert dispatch.prefill_refusal("gluon", q, k, v) == dispatch.prefill_refusal("gluon", q, k, v, plain)
         assert dispatch.prefill_backend("auto", q, k, v, plain) == "triton"
     q72, k72, v72 = random_qkv(1, 8, 8, 2, 1, 72, torch.float16)
     assert dispatch.prefill_backend("auto", q72, k72, v72, plain) == "triton"

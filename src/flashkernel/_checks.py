@@ -88,7 +88,8 @@ def check_device(name: str, x: torch.Tensor, interpreted: bool) -> None:
             "with .cuda(), or set TRITON_INTERPRET=1 before importing flashkernel to run "
             "Triton's (slow) CPU interpreter"
         )
-    raise ValueError(f"{name} is on {x.device}; flashkernel runs on CUDA devices only")
+    raise ValueError(f"{name} is on {x.device}; flashkernel's kernels run on CUDA GPUs (and on the CPU through "
+                     "Triton's interpreter, TRITON_INTERPRET=1): move the tensors to a CUDA device")
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
@@ -393,6 +394,10 @@ def check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale
         if granularity == "token":
             raise ValueError(f"{name} is given with granularity 'token': per-token scales are computed from the "
                              "values; pass none")
+        if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+            if not 0 < float(scale) < float("inf"):
+                raise ValueError(f"{name} must be finite and positive, got {scale!r}")
+            continue
         shape = (1,) if granularity == "tensor" else (k_cache.shape[2],)
         check_tensor(name, scale)
         if scale.dtype != torch.float32:

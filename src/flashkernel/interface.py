@@ -697,14 +697,22 @@ def _static_scale(x: torch.Tensor, granularity: str, dtype: torch.dtype) -> torc
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def _given_scale(scale, size: int, device) -> torch.Tensor:
+    """A caller's static scale (a float, or a float32 tensor of ``size`` elements) as a new
+    float32 ``[size]`` tensor on ``device``."""
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(-1).clone()
+    return torch.full((size,), float(scale), dtype=torch.float32, device=device)
+
+
 def quantize_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     *,
     dtype: torch.dtype = torch.float8_e4m3fn,
     granularity: str = "tensor",
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ):
     """Quantize an existing KV cache (e.g. a prefilled prompt's) for :func:`flash_attn_with_kvcache`.
 
@@ -716,7 +724,7 @@ def quantize_kv(
         granularity: ``"tensor"`` (default; one scale each for K and V), ``"head"`` (one per KV
             head) or ``"token"`` (one per slot and KV head, from the slot's own values).
         k_scale, v_scale: static scales to use (``"tensor"``: float32 ``[1]``, ``"head"``:
-            ``[num_kv_heads]``), e.g. calibrated ones; by default ``max |x| / 448`` (int8: ``/
+            ``[num_kv_heads]``, or a float for every head), e.g. calibrated ones; by default ``max |x| / 448`` (int8: ``/
             127``) over the cache (per head with ``"head"``), so nothing saturates. Computed on the
             device, without a host sync; non-finite values in unused slots would reach them, so
             zero those slots (``KVCache`` keeps its pool zeroed) or pass the scales.
@@ -744,8 +752,9 @@ def quantize_kv(
         k_scale = torch.empty(k_cache.shape[:3], dtype=torch.float32, device=device)
         v_scale = torch.empty_like(k_scale)
     else:
-        k_scale = _static_scale(k_cache, granularity, dtype) if k_scale is None else k_scale.reshape(-1).clone()
-        v_scale = _static_scale(v_cache, granularity, dtype) if v_scale is None else v_scale.reshape(-1).clone()
+        k_scale, v_scale = (_static_scale(x, granularity, dtype) if scale is None
+                            else _given_scale(scale, 1 if granularity == "tensor" else num_kv_heads, device)
+                            for x, scale in ((k_cache, k_scale), (v_cache, v_scale)))
     if k_cache.numel():
         # Every slot is a "new token" of a contiguous cache whose lengths are all 0.
         starts = torch.zeros(batch, dtype=torch.int32, device=device)

@@ -119,8 +119,8 @@ class KVCache:
         cache_dtype: the pages' dtype; None (default) = ``dtype``, or a quantized format,
             ``torch.float8_e4m3fn`` or ``torch.int8`` (see ``flash_attn_with_kvcache``'s
             ``k_scale``).
-        scale_granularity: of a quantized cache's scales: ``"tensor"`` (default), ``"head"`` or
-            ``"token"``.
+        scale_granularity: of a quantized cache's scales: ``"tensor"`` (the default), ``"head"``
+            or ``"token"``; an error without a quantized ``cache_dtype``.
         k_scale, v_scale: a quantized cache's static scales (``"tensor"``/``"head"``): a float or
             a float32 tensor of the granularity's shape; default 1.0. Values beyond ``448 *
             scale`` (int8: ``127 * scale``) saturate, so set them from calibration (or let
@@ -143,7 +143,7 @@ class KVCache:
         device=None,
         shuffle_pages: bool = False,
         cache_dtype: torch.dtype | None = None,
-        scale_granularity: str = "tensor",
+        scale_granularity: str | None = None,
         k_scale=None,
         v_scale=None,
     ):
@@ -161,7 +161,11 @@ class KVCache:
         cache_dtype = dtype if cache_dtype is None else cache_dtype
         if cache_dtype != dtype:
             _checks.check_quantized_dtype(cache_dtype, "cache_dtype")
+            scale_granularity = "tensor" if scale_granularity is None else scale_granularity
             _checks.check_granularity(scale_granularity, "scale_granularity")
+        elif scale_granularity is not None:
+            raise ValueError(f"scale_granularity={scale_granularity!r} is given but cache_dtype is {cache_dtype}: scales "
+                             "belong to a quantized cache (cache_dtype=torch.float8_e4m3fn or torch.int8)")
         self.k_pages = _zeros(shape, cache_dtype, device)
         self.v_pages = _zeros(shape, cache_dtype, device)
         self.scale_granularity = None
@@ -200,6 +204,15 @@ class KVCache:
 
     def free_pages(self) -> int:
         return len(self._free)
+
+    def __repr__(self) -> str:
+        num_blocks, _, num_kv_heads, head_dim = self.k_pages.shape
+        quantized = (f", cache_dtype={self.k_pages.dtype}, scale_granularity={self.scale_granularity!r}"
+                     if self.scale_granularity is not None else "")
+        return (f"KVCache(num_blocks={num_blocks}, page_size={self.page_size}, num_kv_heads={num_kv_heads}, "
+                f"head_dim={head_dim}, batch={self.batch}, max_blocks_per_seq={self.block_table.shape[1]}, "
+                f"dtype={self.dtype}{quantized}, device={self.k_pages.device}; lengths {self._lengths}, "
+                f"{len(self._free)} of {num_blocks} pages free)")
 
     # ---- updates -----------------------------------------------------------------------------
 

@@ -125,14 +125,15 @@ def _refuse(backend: str, reason: str | None) -> None:
 # ---- prefill -------------------------------------------------------------------------------------
 
 
-def prefill_refusal(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+def prefill_refusal(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant | None = None,
                     varlen: bool = False) -> str | None:
-    """Why ``backend`` cannot run this (validated) prefill call, or None when it can."""
+    """Why ``backend`` cannot run this (validated) prefill call, or None when it can. ``variant``:
+    the call's window, softcap, ALiBi and sinks (None: plain attention)."""
     if backend == "triton":
         return None
     if varlen:
         return "packed sequences (flash_attn_varlen_func) run on the Triton kernel only"
-    if not variant.is_plain:
+    if variant is not None and not variant.is_plain:
         return "the Gluon prefill kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
     gluon = _gluon_prefill_module()
     reason = _gluon_refusal(q, gluon)
@@ -221,15 +222,16 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 # ---- decode --------------------------------------------------------------------------------------
 
 
-def decode_refusal(backend: str, q, k_cache, v_cache, block_table, variant: Variant,
+def decode_refusal(backend: str, q, k_cache, v_cache, block_table=None, variant: Variant | None = None,
                    cache_leftpad=None, k_scale=None) -> str | None:
-    """Why ``backend`` cannot run this (validated) decode call, or None when it can."""
+    """Why ``backend`` cannot run this (validated) decode call, or None when it can. ``variant``:
+    the call's window, softcap, ALiBi and sinks (None: plain attention)."""
     if backend == "triton":
         return None
     if k_scale is not None and k_scale.dim() == 3:
         return ("the Gluon decode kernel takes quantized caches with scales per tensor or per KV head only "
                 "(per-token scales run on the Triton kernel)")
-    if not variant.is_plain:
+    if variant is not None and not variant.is_plain:
         return "the Gluon decode kernel runs plain attention only (no window, softcap, ALiBi or sinks)"
     if cache_leftpad is not None:
         return "the Gluon decode kernel has no per-sequence key start (cache_leftpad)"
