@@ -451,7 +451,7 @@ def cmd_merge(args, argv, device, parser) -> int:
 def _shape_options() -> argparse.ArgumentParser:
     shapes = argparse.ArgumentParser(add_help=False)
     group = shapes.add_argument_group("shapes (defaults: the workload's standard sweep)")
-    group.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=DTYPES)
+    group.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=DTYPES, help="input dtypes (bfloat16)")
     group.add_argument("--head-dims", type=int, nargs="+", help="prefill: 64 128 256; decode: 128")
     group.add_argument("--heads", type=int, help="query heads (prefill: model-dim / head-dim; decode: 32)")
     group.add_argument("--kv-heads", type=int, help="key/value heads (prefill: = heads; decode: 8)")
@@ -487,12 +487,12 @@ def _add_bench(sub) -> None:
     bench.add_argument("--out", help="results directory (default flashkernel-results/<gpu>)")
     bench.add_argument("--append", action="store_true",
                        help="merge into existing result files in --out (a sweep split over several commands)")
-    bench.add_argument("--no-plots", action="store_true")
+    bench.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     bench.add_argument("--no-ceilings", action="store_true", help="do not measure / load the GPU's ceilings")
-    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     bench.add_argument("--warmup-ms", type=float, help="warm-up per provider and case (200; quick 50): long enough for the GPU clock to recover after a compile pause")
     bench.add_argument("--rep-ms", type=float, help="measuring time per provider and case (40; quick 20)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     bench.add_argument("--sections", nargs="+", metavar="SECTION",
                        help="overhead, e2e, kvquant, backward: only these sections of that benchmark (their names: "
                             "python -m flashkernel.bench.<workload> --help; default: each one's default set)")
@@ -536,8 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="correctness sweep against the float64 reference")
     check.add_argument("--quick", action="store_true", help="fewer cases")
     check.add_argument("--random", type=int, help="random shapes on top of the fixed ones (GPU 16, CPU 3)")
-    check.add_argument("--seed", type=int, default=0)
-    check.add_argument("--no-progress", action="store_true")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
+    check.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     check.set_defaults(handler=cmd_check)
     _add_bench(sub)
     _add_profile(sub)
@@ -548,11 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="merge result directories of split runs into one")
     merge.add_argument("directories", nargs="+", help="result directories, oldest first (later rows win)")
     merge.add_argument("--out", required=True, help="directory for the merged files and plots")
-    merge.add_argument("--no-plots", action="store_true")
+    merge.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     merge.set_defaults(handler=cmd_merge)
     report = sub.add_parser("report", help="print the tables of result files (Markdown for the README)")
     report.add_argument("directory", help="directory with prefill.json and/or decode.json")
-    report.add_argument("--markdown", action="store_true")
+    report.add_argument("--markdown", action="store_true", help="print Markdown tables (as the README has them)")
     report.set_defaults(handler=cmd_report)
     return parser
 
