@@ -245,3 +245,7 @@ def test_bench_sections_of_a_benchmark_without_sections_is_an_error(capsys):
         cli.main(["bench", "prefill", "--sections", "decode"])
     err = capsys.readouterr().err
     assert raised.value.code == 2 and "--sections applies to bench overhead, e2e, kvquant, backward" in err
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["bench", "overhead", "--sections", "growing", "--append"])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2 and "bench overhead writes its own file anew: pass another --out" in err

@@ -416,9 +416,11 @@ def test_gluon_backend_refuses_per_token_scales():
     (dict(v_scale=torch.ones(1, dtype=torch.float64)), TypeError, "v_scale has dtype float64"),
     (dict(k_scale=-0.5), ValueError, r"k_scale must be finite and positive, got -0.5"),
     (dict(granularity="token", v_scale=0.5), ValueError, "v_scale is given with granularity 'token'"),
-    (dict(k_scale=True), TypeError, "k_scale must be a torch.Tensor"),
+    (dict(k_scale=True), TypeError, "k_scale must be a float or a float32 tensor, got bool"),
+    (dict(k_scale=1e-300), ValueError, r"k_scale must be finite and positive, got 1e-300 \(a normal float32"),
+    (dict(v_scale=1e300), ValueError, r"v_scale must be finite and positive, got 1e\+300 \(a normal float32"),
 ], ids=["format", "granularity", "token-with-scale", "head-scale-shape", "scale-dtype", "negative-float",
-        "token-with-float", "bool"])
+        "token-with-float", "bool", "underflow", "overflow"])
 def test_quantize_kv_rejects_bad_arguments(kwargs, exc, match):
     k = torch.randn(2, 8, 2, 32, device=DEVICE).half()
     kwargs = {key: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
@@ -434,13 +436,15 @@ def test_quantize_kv_rejects_bad_arguments(kwargs, exc, match):
     (dict(cache_dtype=torch.int8, scale_granularity="token", k_scale=0.1), ValueError,
      "k_scale is given with scale_granularity='token'"),
     (dict(cache_dtype=torch.int8, v_scale=-1.0), ValueError, "v_scale must be finite and positive, got -1.0"),
+    (dict(cache_dtype=torch.int8, k_scale=1e-300), ValueError, "k_scale must be finite and positive, got 1e-300"),
+    (dict(cache_dtype=torch.int8, k_scale=True), TypeError, "k_scale must be a float or a float32 tensor, got bool"),
     (dict(cache_dtype=torch.int8, scale_granularity="head", k_scale=torch.ones(3)), ValueError,
      r"k_scale must be a float or a float32 tensor of 2 element\(s\) \(per head\)"),
     (dict(k_scale=0.5), ValueError, "k_scale/v_scale are given but cache_dtype is torch.float16"),
     (dict(scale_granularity="token"), ValueError,
      "scale_granularity='token' is given but cache_dtype is torch.float16: scales belong to a quantized cache"),
-], ids=["format", "granularity", "token-with-scale", "negative", "head-shape", "scale-without-quantized-cache",
-        "granularity-without-quantized-cache"])
+], ids=["format", "granularity", "token-with-scale", "negative", "underflow", "bool", "head-shape",
+        "scale-without-quantized-cache", "granularity-without-quantized-cache"])
 def test_kvcache_rejects_bad_quantization_arguments(overrides, exc, match):
     with pytest.raises(exc, match=match):
         flashkernel.KVCache(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=32, batch=1, max_blocks_per_seq=2,

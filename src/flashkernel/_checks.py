@@ -369,6 +369,18 @@ def check_granularity(granularity, name: str = "granularity") -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, SCALE_GRANULARITIES))}, got {granularity!r}")
 
 
+def check_scale_number(name: str, value) -> float:
+    """A quantized cache's scale given as a Python number: positive and a normal float32 (it is
+    stored as one: a smaller number would become 0 or a subnormal, a larger one overflow)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a float or a float32 tensor, got bool")
+    info = torch.finfo(torch.float32)
+    if not info.tiny <= float(value) <= info.max:  # NaN too
+        raise ValueError(f"{name} must be finite and positive, got {value!r} (a normal float32: {info.tiny:.3g} to "
+                         f"{info.max:.3g})")
+    return float(value)
+
+
 def check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale, interpreted: bool) -> None:
     """``quantize_kv``: caches ``[N, S, Hkv, D]`` in one float dtype (float16, bfloat16, float32),
     a quantized format, a granularity, and static scales only for per-tensor/per-head."""
@@ -394,9 +406,8 @@ def check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale
         if granularity == "token":
             raise ValueError(f"{name} is given with granularity 'token': per-token scales are computed from the "
                              "values; pass none")
-        if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-            if not 0 < float(scale) < float("inf"):
-                raise ValueError(f"{name} must be finite and positive, got {scale!r}")
+        if isinstance(scale, (numbers.Real, bool)):
+            check_scale_number(name, scale)
             continue
         shape = (1,) if granularity == "tensor" else (k_cache.shape[2],)
         check_tensor(name, scale)

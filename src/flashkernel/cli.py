@@ -306,6 +306,9 @@ def cmd_bench(args, argv, device, parser) -> int:
     if args.sections and args.workload not in SECTIONED:
         parser.error(f"--sections applies to bench {', '.join(SECTIONED)} (each benchmark's own sections), not to "
                      f"bench {args.workload}")
+    if args.append and args.workload in ("overhead", "kvquant", "backward"):
+        parser.error(f"--append merges prefill, decode and e2e results; bench {args.workload} writes its own file "
+                     "anew: pass another --out to keep an earlier run's")
     if args.workload == "e2e":
         return cmd_bench_e2e(args, device)
     if args.workload == "variants":
@@ -495,7 +498,9 @@ def _add_bench(sub) -> None:
     bench.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     bench.add_argument("--sections", nargs="+", metavar="SECTION",
                        help="overhead, e2e, kvquant, backward: only these sections of that benchmark (their names: "
-                            "python -m flashkernel.bench.<workload> --help; default: each one's default set)")
+                            "python -m flashkernel.bench.<workload> --help; default: each one's default set). "
+                            "overhead, kvquant and backward then write their file with these sections only: "
+                            "give another --out to keep a whole run's")
     bench.set_defaults(handler=cmd_bench)
 
 
