@@ -99,6 +99,15 @@ def test_gradients_only_where_asked_and_none_for_alibi():
     assert q.grad is not None and v.grad is not None and k.grad is None
     with torch.no_grad():
         assert flashkernel.flash_attn_func(q, k, v).grad_fn is None
+    # Slopes that ask for a gradient are told they get none (the outputs as with fixed slopes).
+    with pytest.warns(UserWarning, match="alibi_slopes requires grad, but flashkernel's backward computes no "
+                                         "gradient for the slopes"):
+        again = flashkernel.flash_attn_func(q, k_frozen, v, alibi_slopes=slopes, causal=True)
+    again.sum().backward()
+    assert slopes.grad is None and torch.equal(again, out)
+    cu = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    with pytest.warns(UserWarning, match="alibi_slopes requires grad"):
+        flashkernel.flash_attn_varlen_func(q[0], k_frozen[0], v[0], cu, cu, 9, 9, alibi_slopes=slopes, causal=True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

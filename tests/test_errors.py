@@ -152,6 +152,14 @@ def test_bad_softmax_scale_value(func, scale):
 
 
 @pytest.mark.parametrize("func", FUNCS)
+@pytest.mark.parametrize("scale", [1e-39, 1e-100, 5e-324])
+def test_softmax_scale_below_float32s_normal_range(func, scale):
+    """A scale of 1e-100 (0 in float32) made every output and LSE NaN."""
+    q, k, v = qkv()
+    raises(ValueError, f"softmax_scale is {scale!r}; it must be at least 1.18e-38", func, q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("func", FUNCS)
 def test_softmax_scale_that_overflows_float32_scores(func):
     """A scale of 1e38 made every output NaN (its float32 product with log2(e) is inf)."""
     q, k, v = qkv()

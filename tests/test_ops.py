@@ -223,6 +223,25 @@ def test_forward_mode_ad_is_refused_not_answered_with_a_zero_tangent():
             assert torch.equal(call(x), call(x))  # inputs without a tangent: as outside a dual level
 
 
+def test_functorch_reverse_mode_is_refused_with_a_clear_error():
+    """torch.func.grad / jacrev cannot run a backward registered with torch.library (PyTorch's own
+    error names its internals): the differentiable functions say so and point to torch.autograd;
+    vmap, which needs no backward, still runs."""
+    q, k, v = random_qkv(1, 6, 6, 4, 2, 32, torch.float16)
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
+    calls = {
+        "flash_attn_func": (q, lambda x: flashkernel.flash_attn_func(x, k, v).float().sum()),
+        "flash_attn_varlen_func": (q[0], lambda x: flashkernel.flash_attn_varlen_func(x, k[0], v[0], cu, cu, 6,
+                                                                                     6).float().sum()),
+    }
+    for name, (x, call) in calls.items():
+        for transform in (torch.func.grad, torch.func.jacrev):
+            with pytest.raises(NotImplementedError, match=f"{name} does not support torch.func.grad / jacrev / vjp"):
+                transform(call)(x)
+    batched = torch.func.vmap(lambda x: flashkernel.flash_attn_func(x[None], k, v)[0])(q.expand(2, -1, -1, -1))
+    assert torch.equal(batched[1], flashkernel.flash_attn_func(q, k, v)[0])
+
+
 @pytest.mark.parametrize("fn", ["flash_attn_with_kvcache", "standard_attention"])
 def test_gradients_are_refused_where_there_is_no_backward(fn):
     if fn == "flash_attn_with_kvcache":

@@ -17,6 +17,7 @@ MAX_HEAD_DIM = 256
 # inputs reach |q.k| = 256 * 65504^2 = 1.1e12, so scales up to 1e20 never overflow them (at 1e38
 # the folded scale itself is inf in float32 and every output NaN).
 MAX_SOFTMAX_SCALE = 1e20
+MIN_SOFTMAX_SCALE = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -130,6 +131,11 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
         raise ValueError(
             f"softmax_scale must be finite and positive, got {softmax_scale!r} "
             "(None picks 1/sqrt(head_dim))"
+        )
+    if value < MIN_SOFTMAX_SCALE:
+        raise ValueError(
+            f"softmax_scale is {softmax_scale!r}; it must be at least {MIN_SOFTMAX_SCALE:.3g} (the smallest normal "
+            "float32: the kernels compute in float32, where a smaller scale is 0 or loses its digits)"
         )
     if value > MAX_SOFTMAX_SCALE:
         raise ValueError(

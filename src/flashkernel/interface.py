@@ -10,6 +10,8 @@ addresses (``kernels/_launch.py``). Any other call takes the whole path.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import _checks, ops, reference
@@ -159,6 +161,14 @@ def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op, fam
     return run_op()
 
 
+def _warn_if_slopes_want_grad(alibi_slopes) -> None:
+    """ALiBi slopes get no gradient (the backward computes none): say so when they ask for one."""
+    if getattr(alibi_slopes, "requires_grad", False) and torch.is_grad_enabled():
+        warnings.warn("alibi_slopes requires grad, but flashkernel's backward computes no gradient for the slopes "
+                      "(they stay fixed); train them with flashkernel.reference.attention or PyTorch's attention",
+                      stacklevel=3)
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -265,6 +275,8 @@ def flash_attn_func(
     """
     tensors = (q, k, v, alibi_slopes, sinks)
     ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_func")
+    if alibi_slopes is not None:
+        _warn_if_slopes_want_grad(alibi_slopes)
     results, probe, key = _lookup("fwd", (causal, softmax_scale, softcap, return_lse, deterministic, backend),
                                   window_size, tensors)
     if results is not None:
@@ -354,6 +366,8 @@ def flash_attn_varlen_func(
     """
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_varlen_func")
+    if alibi_slopes is not None:
+        _warn_if_slopes_want_grad(alibi_slopes)
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call
         results, probe, key = _lookup("varlen", (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap,

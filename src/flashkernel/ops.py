@@ -429,16 +429,32 @@ def refuse_grad(tensors, what: str, hint: str = "") -> None:
 def check_no_forward_ad(tensors, what: str) -> None:
     """Raise when one of ``tensors`` carries a forward-mode tangent (``torch.func.jvp``,
     ``torch.autograd.forward_ad``): the ops have no forward-mode formula, and PyTorch would
-    otherwise return the output with a zero tangent, or none, without a word. Costs one attribute
-    read while no dual level is active."""
-    if getattr(forward_ad, "_current_level", 0) < 0:
-        return
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and _has_tangent(t):
-            raise NotImplementedError(
-                f"{what} has no forward-mode derivative, and one of its inputs carries a tangent (torch.func.jvp "
-                "or torch.autograd.forward_ad): compute the tangent with flashkernel.reference.attention "
-                "(float64, differentiable in both modes) or PyTorch's scaled_dot_product_attention")
+    otherwise return the output with a zero tangent, or none, without a word. Also when one is
+    differentiated by torch.func's reverse-mode transforms (``grad``, ``jacrev``, ``vjp``), where
+    PyTorch's own error names its internals. Costs one attribute read and one query of functorch's
+    level while neither is active."""
+    if getattr(forward_ad, "_current_level", 0) >= 0:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and _has_tangent(t):
+                raise NotImplementedError(
+                    f"{what} has no forward-mode derivative, and one of its inputs carries a tangent "
+                    "(torch.func.jvp or torch.autograd.forward_ad): compute the tangent with "
+                    "flashkernel.reference.attention (float64, differentiable in both modes) or PyTorch's "
+                    "scaled_dot_product_attention")
+    if _functorch_level is not None and _functorch_level() is not None and not torch.compiler.is_compiling():
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and _is_grad_tracking(t):
+                raise NotImplementedError(
+                    f"{what} does not support torch.func.grad / jacrev / vjp (functorch cannot run the ops' "
+                    "registered backward): differentiate with torch.autograd.grad or .backward() where the function "
+                    "is differentiable (torch.compile traces both), or use flashkernel.reference.attention "
+                    "(float64) under torch.func")
+
+
+# functorch's current transform level (None outside every transform) and its test for a tensor
+# that a grad transform tracks (absent from builds without functorch).
+_functorch_level = getattr(torch._C._functorch, "maybe_current_level", None)
+_is_grad_tracking = getattr(torch._C._functorch, "is_gradtrackingtensor", lambda t: False)
 
 
 def _has_tangent(t: torch.Tensor) -> bool:
