@@ -433,22 +433,21 @@ def check_no_forward_ad(tensors, what: str) -> None:
     differentiated by torch.func's reverse-mode transforms (``grad``, ``jacrev``, ``vjp``), where
     PyTorch's own error names its internals. Costs one attribute read and one query of functorch's
     level while neither is active."""
-    if getattr(forward_ad, "_current_level", 0) >= 0:
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and _has_tangent(t):
-                raise NotImplementedError(
-                    f"{what} has no forward-mode derivative, and one of its inputs carries a tangent "
-                    "(torch.func.jvp or torch.autograd.forward_ad): compute the tangent with "
-                    "flashkernel.reference.attention (float64, differentiable in both modes) or PyTorch's "
-                    "scaled_dot_product_attention")
-    if _functorch_level is not None and _functorch_level() is not None and not torch.compiler.is_compiling():
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and _is_grad_tracking(t):
-                raise NotImplementedError(
-                    f"{what} does not support torch.func.grad / jacrev / vjp (functorch cannot run the ops' "
-                    "registered backward): differentiate with torch.autograd.grad or .backward() where the function "
-                    "is differentiable (torch.compile traces both), or use flashkernel.reference.attention "
-                    "(float64) under torch.func")
+    if getattr(forward_ad, "_current_level", 0) >= 0 and _any_tensor(tensors, _has_tangent):
+        raise NotImplementedError(
+            f"{what} has no forward-mode derivative, and one of its inputs carries a tangent (torch.func.jvp or "
+            "torch.autograd.forward_ad): compute the tangent with flashkernel.reference.attention (float64, "
+            "differentiable in both modes) or PyTorch's scaled_dot_product_attention")
+    if (_functorch_level is not None and _functorch_level() is not None and not torch.compiler.is_compiling()
+            and _any_tensor(tensors, _is_grad_tracking)):
+        raise NotImplementedError(
+            f"{what} does not support torch.func.grad / jacrev / vjp (functorch cannot run the ops' registered "
+            "backward): differentiate with torch.autograd.grad or .backward() where the function is differentiable "
+            "(torch.compile traces both), or use flashkernel.reference.attention (float64) under torch.func")
+
+
+def _any_tensor(values, test) -> bool:
+    return any(isinstance(t, torch.Tensor) and test(t) for t in values)
 
 
 # functorch's current transform level (None outside every transform) and its test for a tensor
