@@ -105,6 +105,10 @@ def test_gradients_only_where_asked_and_none_for_alibi():
         again = flashkernel.flash_attn_func(q, k_frozen, v, alibi_slopes=slopes, causal=True)
     again.sum().backward()
     assert slopes.grad is None and torch.equal(again, out)
+    # No warning while torch.compile traces (it cannot trace one): the graph stays whole.
+    compiled = torch.compile(lambda x, s: flashkernel.flash_attn_func(x, k_frozen, v, alibi_slopes=s, causal=True),
+                             backend="eager", fullgraph=True)
+    assert torch.equal(compiled(q, slopes), out)
     cu = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
     with pytest.warns(UserWarning, match="alibi_slopes requires grad"):
         flashkernel.flash_attn_varlen_func(q[0], k_frozen[0], v[0], cu, cu, 9, 9, alibi_slopes=slopes, causal=True)

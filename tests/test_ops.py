@@ -238,6 +238,11 @@ def test_functorch_reverse_mode_is_refused_with_a_clear_error():
         for transform in (torch.func.grad, torch.func.jacrev):
             with pytest.raises(NotImplementedError, match=f"{name} does not support torch.func.grad / jacrev / vjp"):
                 transform(call)(x)
+    # Attention over data inside the transform (nothing it differentiates flows through the call) runs.
+    weights = torch.randn(32, 3, device=DEVICE)
+    head = lambda w: (flashkernel.flash_attn_func(q * 1, k, v).float()[0, :, 0] @ w).sum()  # noqa: E731
+    features = flashkernel.flash_attn_func(q, k, v).float()[0, :, 0]
+    assert torch.allclose(torch.func.grad(head)(weights), features.sum(0)[:, None].expand(32, 3))
     batched = torch.func.vmap(lambda x: flashkernel.flash_attn_func(x[None], k, v)[0])(q.expand(2, -1, -1, -1))
     assert torch.equal(batched[1], flashkernel.flash_attn_func(q, k, v)[0])
 

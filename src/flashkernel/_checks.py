@@ -134,7 +134,7 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
         )
     if value < MIN_SOFTMAX_SCALE:
         raise ValueError(
-            f"softmax_scale is {softmax_scale!r}; it must be at least {MIN_SOFTMAX_SCALE:.3g} (the smallest normal "
+            f"softmax_scale is {softmax_scale!r}; it must be at least {MIN_SOFTMAX_SCALE!r} (the smallest normal "
             "float32: the kernels compute in float32, where a smaller scale is 0 or loses its digits)"
         )
     if value > MAX_SOFTMAX_SCALE:

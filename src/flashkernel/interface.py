@@ -163,7 +163,8 @@ def _run(op: str, public: str, eager_key, tensors, named, run_eager, run_op, fam
 
 def _warn_if_slopes_want_grad(alibi_slopes) -> None:
     """ALiBi slopes get no gradient (the backward computes none): say so when they ask for one."""
-    if getattr(alibi_slopes, "requires_grad", False) and torch.is_grad_enabled():
+    if (getattr(alibi_slopes, "requires_grad", False) and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):  # torch.compile cannot trace warnings.warn
         warnings.warn("alibi_slopes requires grad, but flashkernel's backward computes no gradient for the slopes "
                       "(they stay fixed); train them with flashkernel.reference.attention or PyTorch's attention",
                       stacklevel=3)

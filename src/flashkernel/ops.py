@@ -439,15 +439,21 @@ def check_no_forward_ad(tensors, what: str) -> None:
             "torch.autograd.forward_ad): compute the tangent with flashkernel.reference.attention (float64, "
             "differentiable in both modes) or PyTorch's scaled_dot_product_attention")
     if (_functorch_level is not None and _functorch_level() is not None and not torch.compiler.is_compiling()
-            and _any_tensor(tensors, _is_grad_tracking)):
+            and torch.is_grad_enabled() and _any_tensor(tensors, _differentiated_by_functorch)):
         raise NotImplementedError(
             f"{what} does not support torch.func.grad / jacrev / vjp (functorch cannot run the ops' registered "
-            "backward): differentiate with torch.autograd.grad or .backward() where the function is differentiable "
-            "(torch.compile traces both), or use flashkernel.reference.attention (float64) under torch.func")
+            "backward): differentiate with torch.autograd (.backward() or torch.autograd.grad) where the function is "
+            "differentiable, or use flashkernel.reference.attention (float64) under torch.func")
 
 
 def _any_tensor(values, test) -> bool:
     return any(isinstance(t, torch.Tensor) and test(t) for t in values)
+
+
+def _differentiated_by_functorch(t: torch.Tensor) -> bool:
+    """A tensor a torch.func grad transform differentiates (wrapped at a level and requiring grad;
+    data computed inside the transform is wrapped too, but needs no gradient)."""
+    return t.requires_grad and _is_grad_tracking(t)
 
 
 # functorch's current transform level (None outside every transform) and its test for a tensor
