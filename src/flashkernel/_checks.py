@@ -412,7 +412,7 @@ def check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale
         if granularity == "token":
             raise ValueError(f"{name} is given with granularity 'token': per-token scales are computed from the "
                              "values; pass none")
-        if isinstance(scale, (numbers.Real, bool)):
+        if isinstance(scale, numbers.Real):  # bools too: check_scale_number refuses them
             check_scale_number(name, scale)
             continue
         shape = (1,) if granularity == "tensor" else (k_cache.shape[2],)

@@ -293,8 +293,10 @@ def cmd_bench_backward(args, device) -> int:
     return backward.main(argv)
 
 
-# The benchmarks whose own command lines take --sections (each checks the names it is given).
+# The benchmarks whose own command lines take --sections (each checks the names it is given), and
+# those of them that write their one results file anew (no --append).
 SECTIONED = ("overhead", "e2e", "kvquant", "backward")
+REWRITTEN = ("overhead", "kvquant", "backward")
 
 
 def _sections(args) -> list[str]:
@@ -306,7 +308,7 @@ def cmd_bench(args, argv, device, parser) -> int:
     if args.sections and args.workload not in SECTIONED:
         parser.error(f"--sections applies to bench {', '.join(SECTIONED)} (each benchmark's own sections), not to "
                      f"bench {args.workload}")
-    if args.append and args.workload in ("overhead", "kvquant", "backward"):
+    if args.append and args.workload in REWRITTEN:
         parser.error(f"--append merges prefill, decode and e2e results; bench {args.workload} writes its own file "
                      "anew: pass another --out to keep an earlier run's")
     if args.workload == "e2e":

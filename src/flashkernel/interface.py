@@ -275,7 +275,7 @@ def flash_attn_func(
         >>> out = flash_attn_func(q, k, v, causal=True)        # [2, 1024, 32, 128]
     """
     tensors = (q, k, v, alibi_slopes, sinks)
-    ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_func")
+    ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_func")
     if alibi_slopes is not None:
         _warn_if_slopes_want_grad(alibi_slopes)
     results, probe, key = _lookup("fwd", (causal, softmax_scale, softcap, return_lse, deterministic, backend),
@@ -366,7 +366,7 @@ def flash_attn_varlen_func(
         >>> out = flash_attn_varlen_func(q, k, torch.randn_like(k), cu, cu, 300, 300, causal=True)
     """
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
-    ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_varlen_func")
+    ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_varlen_func")
     if alibi_slopes is not None:
         _warn_if_slopes_want_grad(alibi_slopes)
     probe = key = None
@@ -420,7 +420,7 @@ def standard_attention(
     probability matrix in the input dtype), so it is for measurement, not for production.
     """
     scale = _validate_dense(q, k, v, causal, softmax_scale, return_lse)
-    ops.check_no_forward_ad((q, k, v), "flashkernel.standard_attention")
+    ops.check_differentiation_modes((q, k, v), "flashkernel.standard_attention")
     batch, seqlen_q, num_heads, _ = q.shape
     if batch * num_heads > MAX_NAIVE_ROWS:
         raise ValueError(
@@ -608,7 +608,7 @@ def flash_attn_with_kvcache(
     # quantized cache never replays the launches of a call over another format or granularity.
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
                v_scale)
-    ops.check_no_forward_ad(tensors, "flashkernel.flash_attn_with_kvcache")
+    ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_with_kvcache")
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call
         results, probe, key = _lookup("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate,
@@ -739,10 +739,10 @@ def quantize_kv(
         granularity: ``"tensor"`` (default; one scale each for K and V), ``"head"`` (one per KV
             head) or ``"token"`` (one per slot and KV head, from the slot's own values).
         k_scale, v_scale: static scales to use (``"tensor"``: float32 ``[1]``, ``"head"``:
-            ``[num_kv_heads]``, or a float for every head), e.g. calibrated ones; by default ``max |x| / 448`` (int8: ``/
-            127``) over the cache (per head with ``"head"``), so nothing saturates. Computed on the
-            device, without a host sync; non-finite values in unused slots would reach them, so
-            zero those slots (``KVCache`` keeps its pool zeroed) or pass the scales.
+            ``[num_kv_heads]``, or a float for every head), e.g. calibrated ones; by default
+            ``max |x| / 448`` (int8: ``/ 127``) over the cache (per head with ``"head"``), so
+            nothing saturates. Computed on the device, without a host sync; non-finite values in
+            unused slots would reach them, so zero those slots (``KVCache`` keeps its pool zeroed) or pass the scales.
 
     Quantization is the append kernel's (``flash_attn_with_kvcache``'s ``k_scale`` argument):
     ``x / s`` in float32, saturated, rounded to nearest even.

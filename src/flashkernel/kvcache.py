@@ -88,7 +88,7 @@ def _initial_scale(name: str, value, granularity: str, shape, device) -> torch.T
                              "each append; pass none")
         return torch.zeros(shape[:3], dtype=torch.float32, device=device)
     size = 1 if granularity == "tensor" else shape[2]
-    if value is None or isinstance(value, (numbers.Real, bool)):
+    if value is None or isinstance(value, numbers.Real):  # bools too: check_scale_number refuses them
         value = 1.0 if value is None else _checks.check_scale_number(name, value)
         return torch.full((size,), value, dtype=torch.float32, device=device)
     _checks.check_tensor(name, value)

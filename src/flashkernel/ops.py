@@ -426,7 +426,7 @@ def refuse_grad(tensors, what: str, hint: str = "") -> None:
                 f"torch.inference_mode(), or pass {name}.detach(){hint}")
 
 
-def check_no_forward_ad(tensors, what: str) -> None:
+def check_differentiation_modes(tensors, what: str) -> None:
     """Raise when one of ``tensors`` carries a forward-mode tangent (``torch.func.jvp``,
     ``torch.autograd.forward_ad``): the ops have no forward-mode formula, and PyTorch would
     otherwise return the output with a zero tangent, or none, without a word. Also when one is

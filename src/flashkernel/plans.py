@@ -98,7 +98,7 @@ class _Plan:
         """What every run checks, fast path included: no forward-mode tangent, and no gradient
         wanted for sinks kept by a plan made without gradients (the replay guard checks only the
         run's own tensors)."""
-        ops.check_no_forward_ad(tensors, type(self).__name__ + ".run")
+        ops.check_differentiation_modes(tensors, type(self).__name__ + ".run")
         if self._sinks_want_grad:
             self._refuse_grad((), self._fixed[-1])
 

@@ -406,7 +406,7 @@ def ring_flash_attn_func(
         >>> q, k, v = (shard(x, rank, 2) for x in (q_full, k_full, v_full))  # [B, S/2, H, D]
         >>> out = ring_flash_attn_func(q, k, v, causal=True)   # == shard(flash_attn_func(...))
     """
-    ops.check_no_forward_ad((q, k, v, sinks), "ring_flash_attn_func")
+    ops.check_differentiation_modes((q, k, v, sinks), "ring_flash_attn_func")
     spec = prepare_dense(q, k, v, group, causal, softmax_scale, window_size, softcap, alibi_slopes,
                          sinks, return_lse, layout)
     if ops.needs_grad((q, k, v, sinks)):
@@ -602,7 +602,7 @@ def ring_flash_attn_varlen_func(
         raise ValueError(f"q holds {q.shape[0]} tokens and k {k.shape[0]}: ring attention shards one packed "
                          "batch (self-attention), so q, k and v hold the same rows")
     ops.check_no_grad("ring_varlen", (("q", q), ("k", k), ("v", v), ("sinks", sinks)), "ring_flash_attn_varlen_func")
-    ops.check_no_forward_ad((q, k, v, sinks), "ring_flash_attn_varlen_func")
+    ops.check_differentiation_modes((q, k, v, sinks), "ring_flash_attn_varlen_func")
     ring = Ring(group, q.device)
     lengths = _local_lengths(cu_seqlens, q.shape[0], max_q, ring.world, layout)
     total, num_heads, head_dim = q.shape

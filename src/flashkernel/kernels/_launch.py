@@ -700,8 +700,8 @@ class CallCache:
         # (probe, LayoutGuard, replay, _leading_shapes of its inputs or None) of the replays last
         # filed, looked up by key or found by shapes (quick), newest first
         self._recent: list = []
-        # (id(replay), inference mode) -> its entry (probe, guard or None where none can be made,
-        # replay): a guard is made once per replay and mode while this lasts (cleared with the
+        # (id(replay), inference mode) -> its entry (as in _recent, the guard None where none can be
+        # made): a guard is made once per replay and mode while this lasts (cleared with the
         # replays, or when full), however often its replay leaves _recent and comes back.
         self._entries = BoundedNotes(2 * max_entries)
         self._by_shapes = BoundedNotes(max_entries)  # (probe, shapes) -> the _recent entry last remembered there
