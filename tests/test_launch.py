@@ -619,6 +619,61 @@ def test_the_c_launchers_checked_run_raises_for_what_only_a_bug_passes(stub_nati
         native.checked_run(launch, (x,), (), lambda *args: [], 0, False, (launch,), None)  # a launch for the guard
 
 
+def test_the_c_launchers_checked_run_makes_buffers_from_kept_temporaries_and_makers(stub_native):
+    """``checked_run`` given ``(kept, makers)`` instead of a callback (what eager runs keeping
+    their temporaries pass): the kept temporaries (the list copied, not changed), then per maker
+    ``out`` where it takes it and one is given, else ``make(*args)``, launched with those
+    addresses and returned; nothing is made for a call the guard turns away, and a malformed
+    spec or a maker that raises launches nothing."""
+    native, stub = stub_native
+    q, k = torch.randn(2, 8), torch.randn(4, 8)
+    guard = _c_guard(native, (q, k))
+    temp, made = torch.randn(4), []
+
+    def make(*shape):
+        made.append(shape)
+        return torch.empty(shape)
+
+    kept = [temp, None, None]
+    spec = (kept, ((1, True, make, (2, 3)), (2, False, make, (5,))))
+    launch = _one_launch(native, stub, [0, 1, 2, 3, 4])
+    buffers = native.checked_run(guard, (q, k), (), spec, 7, False, (launch,), None)
+    assert kept == [temp, None, None] and buffers[0] is temp and made == [(2, 3), (5,)]
+    assert [tuple(b.shape) for b in buffers[1:]] == [(2, 3), (5,)]
+    assert [stub.stub_param(i) - 8 for i in range(5)] == [q.data_ptr(), k.data_ptr(),
+                                                          *(b.data_ptr() for b in buffers)]
+    out_guard = _launch.LayoutGuard.make((torch.empty(2, 3),))
+    with_out = native.guard(*[getattr(_launch.LayoutGuard.make((q, k)), name) for name in ("_check", "_alignments",
+                                                                                            "_checked", "_same")],
+                            2, out_guard._check, 24, (32, 64), ())
+    out = torch.empty(2, 3)
+    buffers = native.checked_run(with_out, (q, k), (), spec, 7, False, (launch,), None, out)
+    assert buffers[1] is out and made[-1] == (5,) and stub.stub_param(3) - 8 == out.data_ptr()
+    count, made[:] = stub.stub_launches(), []
+    assert native.checked_run(guard, (q, q), (), spec, 7, False, (launch,), None) is None and not made
+    for bad, error in (((kept,), TypeError), ((tuple(kept), ()), TypeError), ((kept, ((1, True, make),)), TypeError),
+                       ((kept, ((3, True, make, ()),)), IndexError),
+                       ((kept, ((1, False, lambda: 1 / 0, ()),)), ZeroDivisionError)):
+        with pytest.raises(error):
+            native.checked_run(guard, (q, k), (), bad, 7, False, (launch,), None)
+    assert stub.stub_launches() == count
+
+
+def test_checked_runs_allocate_through_a_replaced_empty(stub_native, monkeypatch):
+    """The C launcher's form of a replay's buffers is made again when ``_launch.empty`` is
+    replaced (as the tests replace it to poison outputs with NaN) and when it is put back."""
+    native, stub = stub_native
+    replay, _, _, (q, k, held), guard = _counted_stub_replay(monkeypatch, native, stub)
+    before = _launch.empty
+    guard.run(replay, (q, k, None), (held,))
+    monkeypatch.setattr(_launch, "empty", lambda shape, dtype, device: torch.full(shape, 7.0, dtype=dtype))
+    (out,) = guard.run(replay, (q, k, None), (held,))
+    assert (out == 7).all()
+    monkeypatch.setattr(_launch, "empty", before)
+    (out,) = guard.run(replay, (q, k, None), (held,))
+    assert not (out == 7).any()
+
+
 def test_the_c_launchers_checked_run_into_an_output_checks_it_as_a_plan_does(stub_native, monkeypatch):
     """With an output, ``checked_run`` also asks the output's guard, its 16-byte alignment and that
     it overlaps no input (by extent) and no held span; the output is passed to ``buffers_for``."""
@@ -678,7 +733,7 @@ def _stub_replay(monkeypatch, native, stub, sources):
     replay = object.__new__(_launch.Replay)
     cpu = torch.device("cpu")
     allocations = (((4,), torch.float32, cpu, False, (1,)), ((2, 3), torch.float16, cpu, False, (3, 1)))
-    replay.__dict__.update(device=0, num_inputs=3, outputs=(1,), scratch=(0,), _scratch_by_stream={},
+    replay.__dict__.update(device=0, num_inputs=3, outputs=(1,), scratch=(0,), _scratch_by_stream={}, _buffer_specs={},
                            _scratch_lock=threading.Lock(), _storages=None, allocations=allocations,
                            native=(_one_launch(native, stub, sources),))
     return replay, streams

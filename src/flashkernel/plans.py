@@ -83,6 +83,10 @@ class _Plan:
         self._out_guards = {}
         self._native_out = {}  # by inference mode: the C launcher's form of both (LayoutGuard.native_form)
         self._out_bytes = examples[0].numel() * examples[0].element_size()
+        self._run_name = type(self).__name__ + ".run"
+        # [inference mode][capturing]: (replay, the C form of its guard) where both exist, for
+        # runs without ``out`` (the fast path's look-ups done once)
+        self._native_runs = [[None, None], [None, None]]
 
     _HINT = ""  # ends the message that refuses a gradient
 
@@ -98,7 +102,7 @@ class _Plan:
         """What every run checks, fast path included: no forward-mode tangent, and no gradient
         wanted for sinks kept by a plan made without gradients (the replay guard checks only the
         run's own tensors)."""
-        ops.check_differentiation_modes(tensors, type(self).__name__ + ".run")
+        ops.check_differentiation_modes(tensors, self._run_name)
         if self._sinks_want_grad:
             self._refuse_grad((), self._fixed[-1])
 
@@ -161,13 +165,19 @@ class _Plan:
             return None
         mode = torch.is_inference_mode_enabled()
         guard = self._guards.get(mode)
-        if guard is None:
+        if guard is None:  # the CPU, or no guard can be made
             return None
         capturing = stream_capturing()
+        if out is None:
+            native_run = self._native_runs[mode][capturing]
+            if native_run is not None:
+                return native_run[0].run_checked(native_run[1], tensors, fixed, capturing)
         replay = self._calls.get(capturing)
         if replay is None:
             return None
         if out is None:
+            if replay.native is not None and guard.native() is not None:
+                self._native_runs[mode][capturing] = (replay, guard.native())
             return guard.run(replay, tensors, fixed, capturing)
         out_guard = self._out_guards.get(mode)
         if out_guard is None:

@@ -297,6 +297,9 @@ class Replay:
         # ones are zeroed when allocated: the kernels that use them leave them at zero.
         self._scratch_by_stream: dict[int, list] = {}
         self._scratch_lock = threading.Lock()
+        # stream -> (the C launcher's form of that stream's buffers (_buffer_spec), the `empty` it
+        # allocates through): shared, as the temporaries are, by replays of other scalar values
+        self._buffer_specs: dict[int, tuple] = {}
         self.outputs = tuple(None if o is None else alloc_ids[id(o)] for o in outputs)
         self.scratch = tuple(i for i in range(len(rec.allocations)) if i not in self.outputs)
         self.everything = inputs + tuple(rec.allocations)
@@ -427,19 +430,45 @@ class Replay:
         if _current_device() != self.device:
             with torch.cuda.device(self.device):  # the capture state asked again: that device's stream's
                 return self.run_checked(guard, tensors, fixed, None, out, reuse_scratch)
+        stream = _raw_stream(self.device)
+        if capturing is None:
+            capturing = stream_capturing()
+        checked_run = _native.module().checked_run
         if not reuse_scratch:
-            return self._launch_checked(guard, tensors, fixed, capturing, out, self._fresh_buffers)
-        if self.scratch:  # one run's launches at a time per stream's temporaries: see run()
+            allocated = checked_run(guard, tensors, fixed, self._fresh_buffers, stream, capturing, self.native,
+                                    self._storages, out)
+        elif self.scratch:  # one run's launches at a time per stream's temporaries: see run()
             with self._scratch_lock:
-                return self._launch_checked(guard, tensors, fixed, capturing, out, self._buffers)
-        return self._launch_checked(guard, tensors, fixed, capturing, out, self._buffers)
-
-    def _launch_checked(self, guard, tensors, fixed, capturing, out, buffers_for):
-        allocated = _native.module().checked_run(guard, tensors, fixed, buffers_for, _raw_stream(self.device),
-                                                 capturing, self.native, self._storages, out)
+                allocated = checked_run(guard, tensors, fixed, self._buffer_spec(stream, capturing), stream, capturing,
+                                        self.native, self._storages, out)
+        else:
+            allocated = checked_run(guard, tensors, fixed, self._buffer_spec(stream, capturing), stream, capturing,
+                                    self.native, self._storages, out)
         if allocated is None:
             return None
         return tuple([None if j is None else allocated[j] for j in self.outputs])
+
+    def _buffer_spec(self, stream: int, capturing):
+        """What the C launcher makes a checked run's buffers from (``checked_run``'s
+        ``buffers_for``): outside capture, ``(kept, makers)``: the temporaries kept for ``stream``
+        and, per output, where ``out`` goes or what allocates a new one, so no Python frame runs
+        between the checks and the launch; under capture, :meth:`_buffers` (new temporaries)."""
+        if capturing:
+            return self._buffers
+        entry = self._buffer_specs.get(stream)
+        if entry is None or entry[1] is not empty:
+            kept = self._kept(stream) if self.scratch else [None] * len(self.allocations)
+            makers = tuple((j, i == 0, *self._maker(j)) for i, j in enumerate(self.outputs) if j is not None)
+            entry = self._buffer_specs[stream] = ((kept, makers), empty)
+        return entry[0]
+
+    def _maker(self, j: int) -> tuple:
+        """``(make, args)``: ``make(*args)`` is what :func:`_fresh` gives for allocation ``j``, with
+        PyTorch's direct allocator called as it is where ``_fresh`` would call it."""
+        shape, dtype, device, zeroed, strides = self.allocations[j]
+        if not zeroed and _empty_strided_cuda is not None and empty is _default_empty and device.type == "cuda":
+            return _empty_strided_cuda, (shape, strides, dtype)
+        return _fresh, self.allocations[j]
 
     def _fresh_buffers(self, stream: int, capturing, out=None) -> list:
         """:meth:`_buffers` with new temporaries, none kept (what a checked run without
@@ -449,7 +478,8 @@ class Replay:
     def _buffers(self, stream: int, capturing, out=None, reuse_scratch: bool = True, given=()) -> list:
         """The run's buffers, one per recorded allocation: the temporaries kept for ``stream`` (with
         ``reuse_scratch``, not under capture) or new ones, and the outputs: ``out`` (or ``given``'s
-        tensors, in order) where given, else new ones. What a checked run's C call asks for."""
+        tensors, in order) where given, else new ones: for runs without the C checks, and what a checked
+        run's C call asks for under capture (outside it, the C call makes them from :meth:`_buffer_spec`)."""
         if reuse_scratch and self.scratch and not (capturing or (capturing is None and stream_capturing())):
             allocated = self._kept(stream).copy()
         else:
@@ -495,11 +525,10 @@ class Replay:
         return tuple([None if j is None else allocated[j] for j in self.outputs])
 
 
-def _raw_stream(device: int) -> int:
-    """The current CUDA stream of ``device``, as Triton's launcher takes it."""
-    return torch._C._cuda_getCurrentRawStream(device)
-
-
+# The current CUDA stream of a device, as Triton's launcher takes it: PyTorch's C function where
+# the build has it (CUDA builds), called without a Python wrapper.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                      lambda device: torch.cuda.current_stream(device).cuda_stream)
 # torch.cuda.current_device without its Python wrapper (absent from CPU builds of torch).
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 # torch.cuda.is_current_stream_capturing without its Python wrapper (CUDA builds: on others, as
@@ -629,6 +658,12 @@ class LayoutGuard:
         return _native.make_guard(self._check, self._alignments, self._checked, self._same,
                                   self._distinct - (None in self._alignments), output)
 
+    def native(self):
+        """:meth:`native_form` without an output check, made once; None where it cannot be made."""
+        if self._native is False:
+            self._native = self.native_form()
+        return self._native
+
     def run(self, replay: Replay, tensors, fixed=(), capturing=None, reuse_scratch: bool = True):
         """``replay.run((*tensors, *fixed), reuse_scratch=reuse_scratch)`` when ``tensors`` have the
         examples' layouts (as :meth:`addresses` says), else None (nothing launched). Where the
@@ -636,9 +671,7 @@ class LayoutGuard:
         tensors the caller has validated, or None) and the launches are one call into it
         (:meth:`Replay.run_checked`)."""
         if replay.native is not None:
-            native = self._native
-            if native is False:
-                native = self._native = self.native_form()
+            native = self.native()
             if native is not None:
                 return replay.run_checked(native, tensors, fixed, capturing, reuse_scratch=reuse_scratch)
         addresses = self.addresses(tensors)

@@ -451,11 +451,55 @@ static int read_addresses(PyObject *items, uint64_t *addresses, char *present, P
   return 0;
 }
 
+/* A run's buffers from `spec`, a tuple (kept, makers): a copy of the list `kept` (the kept
+   temporaries, None at the outputs), then for each maker (index, takes_out, make, args) the buffer
+   at index: `out` where takes_out is true and `out` is not None, else make(*args). Python runs no
+   frame of its own here when `make` is a C function (PyTorch's allocator). */
+static PyObject *made_buffers(PyObject *spec, PyObject *out) {
+  if (PyTuple_GET_SIZE(spec) != 2 || !PyList_Check(PyTuple_GET_ITEM(spec, 0))
+      || !PyTuple_Check(PyTuple_GET_ITEM(spec, 1))) {
+    PyErr_SetString(PyExc_TypeError, "checked_run: buffers must be (kept: list, makers: tuple)");
+    return NULL;
+  }
+  PyObject *kept = PyTuple_GET_ITEM(spec, 0), *makers = PyTuple_GET_ITEM(spec, 1);
+  PyObject *buffers = PyList_GetSlice(kept, 0, PyList_GET_SIZE(kept));
+  if (!buffers) return NULL;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(makers); i++) {
+    PyObject *maker = PyTuple_GET_ITEM(makers, i);
+    if (!PyTuple_Check(maker) || PyTuple_GET_SIZE(maker) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(maker, 3))) {
+      PyErr_SetString(PyExc_TypeError, "checked_run: a maker must be (index, takes_out, make, args: tuple)");
+      goto fail;
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(maker, 0));
+    if (index == -1 && PyErr_Occurred()) goto fail;
+    if (index < 0 || index >= PyList_GET_SIZE(buffers)) {
+      PyErr_SetString(PyExc_IndexError, "checked_run: a maker's index is past the buffers");
+      goto fail;
+    }
+    int takes_out = PyObject_IsTrue(PyTuple_GET_ITEM(maker, 1));
+    if (takes_out < 0) goto fail;
+    PyObject *made;
+    if (takes_out && out != Py_None) {
+      made = out;
+      Py_INCREF(made);
+    } else {
+      made = PyObject_Call(PyTuple_GET_ITEM(maker, 2), PyTuple_GET_ITEM(maker, 3), NULL);
+      if (!made) goto fail;
+    }
+    PyList_SetItem(buffers, index, made); /* steals made, releases what was there */
+  }
+  return buffers;
+fail:
+  Py_DECREF(buffers);
+  return NULL;
+}
+
 /* checked_run(guard, tensors: tuple, fixed: tuple, buffers_for, stream: int, capturing, launches,
                storages[, out]): if the guard vouches for `tensors` (and for `out`, when not None:
-   see output_passes), the run's buffers (`buffers_for(stream, capturing, out)`: a list of tensors
-   or None, allocated only then), launched as `run` with the addresses of tensors, then fixed,
-   then buffers; None (nothing launched) if not. */
+   see output_passes), the run's buffers (allocated only then: `buffers_for(stream, capturing,
+   out)`, a list of tensors or None, or made here from a tuple `buffers_for`, see made_buffers),
+   launched as `run` with the addresses of tensors, then fixed, then buffers; None (nothing
+   launched) if not. */
 static PyObject *checked_run(PyObject *self, PyObject *args) {
   PyObject *capsule, *tensors, *fixed, *buffers_for, *stream_object, *capturing, *launches, *storages;
   PyObject *out = Py_None;
@@ -506,8 +550,13 @@ static PyObject *checked_run(PyObject *self, PyObject *args) {
     }
   }
   if (read_addresses(fixed, addresses, present, g->nslots) != 0) return NULL;
-  PyObject *call_args[3] = {stream_object, capturing, out};
-  PyObject *buffers = PyObject_Vectorcall(buffers_for, call_args, 3, NULL);
+  PyObject *buffers;
+  if (PyTuple_Check(buffers_for)) {
+    buffers = made_buffers(buffers_for, out);
+  } else {
+    PyObject *call_args[3] = {stream_object, capturing, out};
+    buffers = PyObject_Vectorcall(buffers_for, call_args, 3, NULL);
+  }
   if (!buffers) return NULL;
   if (!PyList_Check(buffers)) {
     Py_DECREF(buffers);
