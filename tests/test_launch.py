@@ -623,8 +623,8 @@ def test_the_c_launchers_checked_run_makes_buffers_from_kept_temporaries_and_mak
     """``checked_run`` given ``(kept, makers)`` instead of a callback (what eager runs keeping
     their temporaries pass): the kept temporaries (the list copied, not changed), then per maker
     ``out`` where it takes it and one is given, else ``make(*args)``, launched with those
-    addresses and returned; nothing is made for a call the guard turns away, and a malformed
-    spec or a maker that raises launches nothing."""
+    addresses and returned (with ``outputs``, the buffers at those indices); nothing is made for a
+    call the guard turns away, and a malformed spec or a maker that raises launches nothing."""
     native, stub = stub_native
     q, k = torch.randn(2, 8), torch.randn(4, 8)
     guard = _c_guard(native, (q, k))
@@ -649,8 +649,12 @@ def test_the_c_launchers_checked_run_makes_buffers_from_kept_temporaries_and_mak
     out = torch.empty(2, 3)
     buffers = native.checked_run(with_out, (q, k), (), spec, 7, False, (launch,), None, out)
     assert buffers[1] is out and made[-1] == (5,) and stub.stub_param(3) - 8 == out.data_ptr()
+    picked = native.checked_run(guard, (q, k), (), spec, 7, False, (launch,), None, None, (2, None, 0))
+    assert picked[1:] == (None, temp) and picked[0].shape == (5,) and stub.stub_param(4) - 8 == picked[0].data_ptr()
+    with pytest.raises(IndexError):
+        native.checked_run(guard, (q, k), (), spec, 7, False, (launch,), None, None, (3,))
     count, made[:] = stub.stub_launches(), []
-    assert native.checked_run(guard, (q, q), (), spec, 7, False, (launch,), None) is None and not made
+    assert native.checked_run(guard, (q, q), (), spec, 7, False, (launch,), None, None, (1,)) is None and not made
     for bad, error in (((kept,), TypeError), ((tuple(kept), ()), TypeError), ((kept, ((1, True, make),)), TypeError),
                        ((kept, ((3, True, make, ()),)), IndexError),
                        ((kept, ((1, False, lambda: 1 / 0, ()),)), ZeroDivisionError)):
@@ -770,6 +774,11 @@ def test_checked_runs_of_a_replay_keep_temporaries_per_stream_and_allocate_only_
         temps.append(launched()[3])
         assert launched()[2:] == [held.data_ptr(), temps[-1], out.data_ptr()]
     assert temps[0] == temps[1] == temps[3] != temps[2] and len({o.data_ptr() for o in outs}) == 4
+    allocated.clear()
+    streams.append(9)  # a stream not seen yet: a call turned away makes and keeps nothing for it
+    assert guard.run(replay, (q, q, None), (held,)) is None and not allocated
+    assert 9 not in replay._scratch_by_stream and 9 not in replay._buffer_specs
+    streams.append(7)
     monkeypatch.setattr(_launch, "stream_capturing", lambda: True)
     guard.run(replay, (q, k, None), (held,))
     assert launched()[3] not in temps  # under capture: a new temporary

@@ -435,28 +435,31 @@ class Replay:
             capturing = stream_capturing()
         checked_run = _native.module().checked_run
         if not reuse_scratch:
-            allocated = checked_run(guard, tensors, fixed, self._fresh_buffers, stream, capturing, self.native,
-                                    self._storages, out)
+            buffers = self._fresh_buffers
         elif self.scratch:  # one run's launches at a time per stream's temporaries: see run()
             with self._scratch_lock:
-                allocated = checked_run(guard, tensors, fixed, self._buffer_spec(stream, capturing), stream, capturing,
-                                        self.native, self._storages, out)
+                return checked_run(guard, tensors, fixed, self._buffer_spec(stream, capturing), stream, capturing,
+                                   self.native, self._storages, out, self.outputs)
         else:
-            allocated = checked_run(guard, tensors, fixed, self._buffer_spec(stream, capturing), stream, capturing,
-                                    self.native, self._storages, out)
-        if allocated is None:
-            return None
-        return tuple([None if j is None else allocated[j] for j in self.outputs])
+            buffers = self._buffer_spec(stream, capturing)
+        return checked_run(guard, tensors, fixed, buffers, stream, capturing, self.native, self._storages, out,
+                           self.outputs)
 
     def _buffer_spec(self, stream: int, capturing):
         """What the C launcher makes a checked run's buffers from (``checked_run``'s
         ``buffers_for``): outside capture, ``(kept, makers)``: the temporaries kept for ``stream``
-        and, per output, where ``out`` goes or what allocates a new one, so no Python frame runs
-        between the checks and the launch; under capture, :meth:`_buffers` (new temporaries)."""
+        and, per output, where ``out`` goes or what allocates a new one (PyTorch's allocator,
+        called from C with no Python frame where :func:`_fresh` would call it directly); under
+        capture, and before this stream's temporaries are made, :meth:`_buffers` (called only once
+        the guard has passed: a call turned away allocates nothing). Made again when ``empty`` is
+        replaced; a replaced ``_fresh`` or ``_empty_strided_cuda`` is not noticed (the tests
+        replace ``empty`` only)."""
         if capturing:
             return self._buffers
         entry = self._buffer_specs.get(stream)
         if entry is None or entry[1] is not empty:
+            if self.scratch and stream not in self._scratch_by_stream:
+                return self._buffers  # makes and keeps them on its first run that passes the guard
             kept = self._kept(stream) if self.scratch else [None] * len(self.allocations)
             makers = tuple((j, i == 0, *self._maker(j)) for i, j in enumerate(self.outputs) if j is not None)
             entry = self._buffer_specs[stream] = ((kept, makers), empty)

@@ -494,19 +494,50 @@ fail:
   return NULL;
 }
 
+/* The tuple of buffers[j] for each j of `outputs` (None for None). */
+static PyObject *picked_outputs(PyObject *buffers, PyObject *outputs) {
+  Py_ssize_t n = PyTuple_GET_SIZE(outputs);
+  PyObject *picked = PyTuple_New(n);
+  if (!picked) return NULL;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *index = PyTuple_GET_ITEM(outputs, i), *item = Py_None;
+    if (index != Py_None) {
+      Py_ssize_t j = PyLong_AsSsize_t(index);
+      if (j == -1 && PyErr_Occurred()) {
+        Py_DECREF(picked);
+        return NULL;
+      }
+      if (j < 0 || j >= PyList_GET_SIZE(buffers)) {
+        Py_DECREF(picked);
+        PyErr_SetString(PyExc_IndexError, "checked_run: an output index past the buffers");
+        return NULL;
+      }
+      item = PyList_GET_ITEM(buffers, j);
+    }
+    Py_INCREF(item);
+    PyTuple_SET_ITEM(picked, i, item);
+  }
+  return picked;
+}
+
 /* checked_run(guard, tensors: tuple, fixed: tuple, buffers_for, stream: int, capturing, launches,
-               storages[, out]): if the guard vouches for `tensors` (and for `out`, when not None:
-   see output_passes), the run's buffers (allocated only then: `buffers_for(stream, capturing,
-   out)`, a list of tensors or None, or made here from a tuple `buffers_for`, see made_buffers),
-   launched as `run` with the addresses of tensors, then fixed, then buffers; None (nothing
-   launched) if not. */
+               storages[, out[, outputs]]): if the guard vouches for `tensors` (and for `out`, when
+   not None: see output_passes), the run's buffers (allocated only then: `buffers_for(stream,
+   capturing, out)`, a list of tensors or None, or made here from a tuple `buffers_for`, see
+   made_buffers), launched as `run` with the addresses of tensors, then fixed, then buffers; None
+   (nothing launched) if not. Returns the buffers, or with `outputs` (a tuple of buffer indices or
+   None) the tuple of those buffers (None for None). */
 static PyObject *checked_run(PyObject *self, PyObject *args) {
   PyObject *capsule, *tensors, *fixed, *buffers_for, *stream_object, *capturing, *launches, *storages;
-  PyObject *out = Py_None;
-  if (!PyArg_ParseTuple(args, "OO!O!OO!OO!O|O", &capsule, &PyTuple_Type, &tensors, &PyTuple_Type, &fixed,
+  PyObject *out = Py_None, *outputs = Py_None;
+  if (!PyArg_ParseTuple(args, "OO!O!OO!OO!O|OO", &capsule, &PyTuple_Type, &tensors, &PyTuple_Type, &fixed,
                         &buffers_for, &PyLong_Type, &stream_object, &capturing, &PyTuple_Type, &launches, &storages,
-                        &out))
+                        &out, &outputs))
     return NULL;
+  if (outputs != Py_None && !PyTuple_Check(outputs)) {
+    PyErr_SetString(PyExc_TypeError, "checked_run: outputs must be a tuple or None");
+    return NULL;
+  }
   if (!tensor_data_ptr) {
     PyErr_SetString(PyExc_RuntimeError, "checked_run before setup");
     return NULL;
@@ -569,7 +600,10 @@ static PyObject *checked_run(PyObject *self, PyObject *args) {
     Py_DECREF(buffers);
     return NULL;
   }
-  return buffers;
+  if (outputs == Py_None) return buffers;
+  PyObject *picked = picked_outputs(buffers, outputs);
+  Py_DECREF(buffers);
+  return picked;
 }
 
 static PyMethodDef methods[] = {
