@@ -830,7 +830,8 @@ def test_append_without_reserve_never_writes_another_sequences_page(validate):
         q, cache.k_pages, cache.v_pages, k=k, v=v, cache_seqlens=cache.cache_seqlens[:2],
         block_table=cache.block_table[:2], validate=validate)
     if validate:
-        with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1 points outside the page pool"):
+        with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1 points outside the page pool .* appended: give "
+                                             "the new tokens their pages first, as KVCache.reserve does"):
             call()
         assert torch.equal(cache.k_pages, k_pages) and torch.equal(cache.v_pages, v_pages)
         return

@@ -378,6 +378,8 @@ def call(args, **overrides):
      r"float32 \[1\] \(per tensor\), \[2\] \(per KV head\) or \[5, 16, 2\]"),
     (lambda a: {"v_scale": None}, ValueError, "but v_scale is None"),
     (lambda a: {"k_scale": a["k_scale"].half()}, TypeError, "k_scale has dtype float16; scales must be float32"),
+    (lambda a: {"k_scale": 0.02}, TypeError, r"k_scale is the number 0.02; this call takes scales as float32 tensors "
+     r"on the cache's device .* torch.tensor\(\[0.02\], device=k_cache.device\)"),
     (lambda a: {"v_scale": a["v_scale"][:, :8]}, ValueError, r"v_scale has shape \(5, 8, 2\); a scale is \[1\]"),
     (lambda a: {"k_scale": torch.ones(3, device=DEVICE)}, ValueError, r"k_scale has shape \(3,\)"),
     (lambda a: {"k_scale": torch.ones(1, device=DEVICE)}, ValueError,
@@ -385,11 +387,69 @@ def call(args, **overrides):
     (lambda a: {"k_cache": a["k_cache"].float().half(), "v_cache": a["v_cache"].float().half(), "v_scale": None},
      ValueError, "k_scale is given but the cache has dtype float16: scales belong to a quantized cache"),
 ], ids=["mixed-formats", "mixed-quantized-and-float", "unsupported-format", "no-k-scale", "no-v-scale",
-        "scale-dtype", "scale-shape", "scale-heads", "mixed-granularity", "scale-without-quantized-cache"])
+        "scale-dtype", "scale-number", "scale-shape", "scale-heads", "mixed-granularity", "scale-without-quantized-cache"])
 def test_bad_quantized_inputs_raise_before_launch(change, exc, match, no_launch):
     a = quantized_inputs()
     with pytest.raises(exc, match=match):
         call(a, **change(a))
+
+
+def overlapping_views(x):
+    """Two contiguous tensors of ``x``'s shape one element apart in one buffer."""
+    buffer = torch.ones(x.numel() + 1, dtype=x.dtype, device=x.device)
+    return buffer[:-1].view(x.shape), buffer[1:].view(x.shape)
+
+
+def appended(args):
+    """``args`` of :func:`quantized_inputs` with one new token per sequence to append."""
+    k, v = torch.randn(2, 2, 1, 2, 32, device=DEVICE).half()
+    return {**args, "k": k, "v": v}
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: {"v_scale": a["k_scale"]}, "k_scale and v_scale share memory, and the append writes both in place"),
+    (lambda a: dict(zip(("k_scale", "v_scale"), overlapping_views(a["k_scale"]))),
+     "k_scale and v_scale share memory"),
+    (lambda a: {"k_scale": torch.ones(1, 1, 1, device=DEVICE).expand(a["k_scale"].shape)},
+     r"k_scale has strides \(0, 0, 0\): several of its elements share an address"),
+    (lambda a: {"v_cache": a["k_cache"]}, "k_cache and v_cache share memory, and the append writes both in place"),
+], ids=["one-scale-tensor", "overlapping-views", "expanded-scale", "one-cache-tensor"])
+def test_what_an_append_writes_must_not_overlap(change, match, no_launch):
+    """An append writes the caches and per-token scales in place: one tensor passed twice, two
+    views one element apart, or an expanded tensor would have the values written last overwrite
+    the others."""
+    a = appended(quantized_inputs())
+    with pytest.raises(ValueError, match=match):
+        call(a, **change(a))
+
+
+def test_what_an_append_writes_may_interleave_or_be_shared_when_only_read(no_launch):
+    """Not refused: K and V as interleaved halves of one ``[..., 2, Hkv, D]`` pool (their elements
+    are apart), and one scale tensor for K and V where it is only read (per tensor, or no append)."""
+    a = appended(quantized_inputs())
+    pool = torch.zeros(*a["k_cache"].shape[:2], 2, *a["k_cache"].shape[2:], device=DEVICE).to(a["k_cache"].dtype)
+    for change in ({"k_cache": pool[:, :, 0], "v_cache": pool[:, :, 1]},
+                   {"k": None, "v": None, "v_scale": a["k_scale"]}):
+        with pytest.raises(AssertionError, match="kernel launched"):
+            call(a, **change)
+    static = appended(quantized_inputs(granularity="tensor"))
+    with pytest.raises(AssertionError, match="kernel launched"):
+        call(static, v_scale=static["k_scale"])
+
+
+def test_a_plan_refuses_runs_whose_appends_overlap():
+    """A plan's run whose caches or per-token scales share memory where the planned ones did not
+    gets the function's error (its layouts alone match the plan)."""
+    a = appended(quantized_inputs())
+    plan = flashkernel.DecodePlan(a["q"], a["k_cache"], a["v_cache"], k=a["k"], v=a["v"],
+                                  cache_seqlens=a["cache_seqlens"], block_table=a["block_table"], k_scale=a["k_scale"],
+                                  v_scale=a["v_scale"])
+    with pytest.raises(ValueError, match="k_scale and v_scale share memory"):
+        plan.run(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["k_scale"], a["k_scale"])
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        flashkernel.DecodePlan(a["q"], a["k_cache"], a["k_cache"], k=a["k"], v=a["v"],
+                               cache_seqlens=a["cache_seqlens"], block_table=a["block_table"], k_scale=a["k_scale"],
+                               v_scale=a["v_scale"])
 
 
 def test_scale_on_another_device(no_launch):
@@ -435,16 +495,24 @@ def test_quantize_kv_rejects_bad_arguments(kwargs, exc, match):
     (dict(cache_dtype=torch.int8, scale_granularity="row"), ValueError, "^scale_granularity must be one of"),
     (dict(cache_dtype=torch.int8, scale_granularity="token", k_scale=0.1), ValueError,
      "k_scale is given with scale_granularity='token'"),
-    (dict(cache_dtype=torch.int8, v_scale=-1.0), ValueError, "v_scale must be finite and positive, got -1.0"),
-    (dict(cache_dtype=torch.int8, k_scale=1e-300), ValueError, "k_scale must be finite and positive, got 1e-300"),
-    (dict(cache_dtype=torch.int8, k_scale=True), TypeError, "k_scale must be a float or a float32 tensor, got bool"),
-    (dict(cache_dtype=torch.int8, scale_granularity="head", k_scale=torch.ones(3)), ValueError,
+    (dict(cache_dtype=torch.int8, k_scale=0.1, v_scale=-1.0), ValueError,
+     "v_scale must be finite and positive, got -1.0"),
+    (dict(cache_dtype=torch.int8, k_scale=1e-300, v_scale=0.1), ValueError,
+     "k_scale must be finite and positive, got 1e-300"),
+    (dict(cache_dtype=torch.int8, k_scale=True, v_scale=0.1), TypeError,
+     "k_scale must be a float or a float32 tensor, got bool"),
+    (dict(cache_dtype=torch.int8, scale_granularity="head", k_scale=torch.ones(3), v_scale=0.1), ValueError,
      r"k_scale must be a float or a float32 tensor of 2 element\(s\) \(per head\)"),
     (dict(k_scale=0.5), ValueError, "k_scale/v_scale are given but cache_dtype is torch.float16"),
     (dict(scale_granularity="token"), ValueError,
      "scale_granularity='token' is given but cache_dtype is torch.float16: scales belong to a quantized cache"),
+    (dict(cache_dtype=torch.int8, k_scale=0.1), ValueError,
+     "cache_dtype=torch.int8 with scale_granularity='tensor' needs k_scale and v_scale"),
+    (dict(cache_dtype=torch.int8, scale_granularity="head"), ValueError,
+     "cache_dtype=torch.int8 with scale_granularity='head' needs k_scale and v_scale"),
 ], ids=["format", "granularity", "token-with-scale", "negative", "underflow", "bool", "head-shape",
-        "scale-without-quantized-cache", "granularity-without-quantized-cache"])
+        "scale-without-quantized-cache", "granularity-without-quantized-cache", "int8-without-v-scale",
+        "int8-head-without-scales"])
 def test_kvcache_rejects_bad_quantization_arguments(overrides, exc, match):
     with pytest.raises(exc, match=match):
         flashkernel.KVCache(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=32, batch=1, max_blocks_per_seq=2,

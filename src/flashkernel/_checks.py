@@ -349,6 +349,10 @@ def check_kv_scales(k_scale, v_scale, k_cache, quantized: bool) -> None:
             raise ValueError(
                 f"k_cache has dtype {_dtype_name(k_cache.dtype)} (a quantized cache) but {name} is None: pass "
                 f"k_scale and v_scale, float32 {scale_shapes(k_cache)}")
+        if isinstance(scale, numbers.Real):
+            raise TypeError(f"{name} is the number {scale!r}; this call takes scales as float32 tensors on the cache's "
+                            f"device (nothing then syncs with the host): make one once, torch.tensor([{scale!r}], "
+                            "device=k_cache.device), and pass it to every call (quantize_kv and KVCache take numbers)")
         check_tensor(name, scale)
         if scale.dtype != torch.float32:
             raise TypeError(f"{name} has dtype {_dtype_name(scale.dtype)}; scales must be float32 (call .float() on it)")
@@ -428,7 +432,8 @@ def check_quantize_inputs(k_cache, v_cache, dtype, granularity, k_scale, v_scale
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, interpreted,
                          k_scale=None, v_scale=None) -> None:
-    """Shapes, dtypes and devices of ``flash_attn_with_kvcache``'s tensors (no data is read)."""
+    """Shapes, dtypes and devices of ``flash_attn_with_kvcache``'s tensors, and that what an
+    append writes does not overlap (no data is read)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, x)
     check_rank("q", q, 4, "[batch, seqlen_q, heads, head_dim]")
@@ -456,6 +461,46 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     check_head_dim("q", q.shape[3])
     for name, x in floats + caches:  # the caches' two checks: check_cache_extent's
         check_last_dim_contiguous(name, x)
+    if k is not None and not torch.compiler.is_compiling():  # a trace's tensors have no addresses
+        check_written_apart(written_by_append(k_cache, v_cache, k_scale, v_scale))
+
+
+def written_by_append(k_cache, v_cache, k_scale, v_scale) -> list:
+    """``(name, tensor)`` of what an append writes in place: the caches, and per-token scales
+    (validated tensors: scales of the other granularities are only read)."""
+    written = [("k_cache", k_cache), ("v_cache", v_cache)]
+    if k_scale is not None and scale_granularity(k_scale) == "token":
+        written += [("k_scale", k_scale), ("v_scale", v_scale)]
+    return written
+
+
+def check_written_apart(written) -> None:
+    """Tensors a call writes in place (``(name, tensor)``, validated) must each have one element
+    per address and share no memory: not one start address, and for two contiguous tensors no
+    common byte. Views that interleave in one buffer (K and V halves of a ``[..., 2, H, D]``
+    pool) are not refused: their elements are apart, which only a per-element test would show."""
+    present = [(name, x) for name, x in written if x.numel()]
+    for name, x in present:
+        if not x.is_contiguous() and torch._debug_has_internal_overlap(x) == 1:
+            raise ValueError(f"{name} has strides {x.stride()}: several of its elements share an address (an expanded "
+                             "tensor?), and the append writes it in place: pass a tensor with one element per address "
+                             "(.contiguous() makes one)")
+    for i, (name, x) in enumerate(present):
+        for other, y in present[i + 1:]:
+            if _share_memory(x, y):
+                raise ValueError(f"{name} and {other} share memory, and the append writes both in place: give each "
+                                 "its own tensor (for per-token scales, one k_scale and one v_scale per layer: "
+                                 "torch.zeros_like)")
+
+
+def _share_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` start at one address, or are both contiguous with a common byte."""
+    x_start, y_start = x.data_ptr(), y.data_ptr()
+    if x_start == y_start:
+        return True
+    if not (x.is_contiguous() and y.is_contiguous()):
+        return False
+    return x_start < y_start + y.numel() * y.element_size() and y_start < x_start + x.numel() * x.element_size()
 
 
 def check_cache_capacity(seqlen_new: int, appending: bool, capacity: int, block_table) -> None:
@@ -519,10 +564,12 @@ def check_kvcache_values(
     bad = (used & ((table < 0) | (table >= num_blocks))).nonzero()
     if bad.numel():
         b, i = int(bad[0, 0]), int(bad[0, 1])
+        hint = (f" (with the {appended} token(s) appended: give the new tokens their pages first, as "
+                "KVCache.reserve does)" if appended else "")
         raise ValueError(
             f"block_table[{b}, {i}] = {int(table[b, i])} points outside the page pool of "
             f"{num_blocks} blocks (k_cache.shape[0]); sequence {b} uses its first "
-            f"{int(pages_used[b])} entries"
+            f"{int(pages_used[b])} entries{hint}"
         )
 
 

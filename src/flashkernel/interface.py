@@ -741,8 +741,10 @@ def quantize_kv(
         k_scale, v_scale: static scales to use (``"tensor"``: float32 ``[1]``, ``"head"``:
             ``[num_kv_heads]``, or a float for every head), e.g. calibrated ones; by default
             ``max |x| / 448`` (int8: ``/ 127``) over the cache (per head with ``"head"``), so
-            nothing saturates. Computed on the device, without a host sync; non-finite values in
-            unused slots would reach them, so zero those slots (``KVCache`` keeps its pool zeroed) or pass the scales.
+            nothing saturates; each independently (given ``k_scale`` alone, ``v_scale`` is still
+            computed). Computed on the device, without a host sync; non-finite values in unused
+            slots would reach them, so zero those slots (``KVCache`` keeps its pool zeroed) or pass
+            the scales.
 
     Quantization is the append kernel's (``flash_attn_with_kvcache``'s ``k_scale`` argument):
     ``x / s`` in float32, saturated, rounded to nearest even.

@@ -120,10 +120,13 @@ class KVCache:
         scale_granularity: of a quantized cache's scales: ``"tensor"`` (the default), ``"head"``
             or ``"token"``; an error without a quantized ``cache_dtype``.
         k_scale, v_scale: a quantized cache's static scales (``"tensor"``/``"head"``): a float or
-            a float32 tensor of the granularity's shape; default 1.0. Values beyond ``448 *
-            scale`` (int8: ``127 * scale``) saturate, so set them from calibration (or let
+            a float32 tensor of the granularity's shape; default 1.0 for float8_e4m3fn, required
+            for int8 (1.0 would round values to whole numbers). Values beyond ``448 * scale``
+            (int8: ``127 * scale``) saturate, so set them from calibration (or let
             ``flashkernel.quantize_kv`` compute them from a prefilled cache). Per-token scales
-            are computed by every append.
+            are computed by every append and written in place into ``k_scale``/``v_scale``:
+            a model whose layers each have a cache needs one ``KVCache`` (or one pair of scale
+            tensors) per layer; static scales may be shared.
 
     Unused ``block_table`` entries are -1 (no page), also after :meth:`free`.
     """
@@ -161,6 +164,12 @@ class KVCache:
             _checks.check_quantized_dtype(cache_dtype, "cache_dtype")
             scale_granularity = "tensor" if scale_granularity is None else scale_granularity
             _checks.check_granularity(scale_granularity, "scale_granularity")
+            if cache_dtype == torch.int8 and scale_granularity != "token" and (k_scale is None or v_scale is None):
+                raise ValueError(
+                    f"cache_dtype=torch.int8 with scale_granularity={scale_granularity!r} needs k_scale and v_scale: "
+                    "int8 keeps 127 steps of its scale, so a scale of 1.0 would round every value to a whole number "
+                    "(~28% error on unit-variance keys); pass scales from calibration (about max |x| / 127), or use "
+                    "scale_granularity='token' (computed from each token)")
         elif scale_granularity is not None:
             raise ValueError(f"scale_granularity={scale_granularity!r} is given but cache_dtype is {cache_dtype}: scales "
                              "belong to a quantized cache (cache_dtype=torch.float8_e4m3fn or torch.int8)")

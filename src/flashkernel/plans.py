@@ -90,6 +90,9 @@ class _Plan:
 
     _HINT = ""  # ends the message that refuses a gradient
 
+    def _check_written(self, tensors) -> None:
+        """Raise when what a run writes in place overlaps (tensors of the planned layouts)."""
+
     def _refuse_grad(self, tensors, sinks=None, where: str = ".run") -> None:
         """Raise when a gradient is wanted through this plan (its runs record no backward): for
         ``tensors`` (named as the planned ones) or, given, the ``sinks`` it keeps."""
@@ -212,6 +215,7 @@ class _Plan:
         if not planned:
             for name, x, expected in zip(self._names, tensors, self._layouts):
                 _same_layout(name, x, expected)  # raises for another shape, strides, dtype or device
+            self._check_written(tensors)  # other tensors may share memory where the planned ones did not
         direct = out is None or self._check_out(out, tensors)
         if not (planned and direct and tensors[0].is_cuda) or torch.compiler.is_compiling():
             # Another alignment or shared addresses, an output the replay cannot write, the CPU,
@@ -270,6 +274,11 @@ class DecodePlan(_Plan):
         self._keep(("cache_seqlens", "block_table", "cache_leftpad", "alibi_slopes", "sinks"), self._fixed)
         self._scalars = (causal, scale, *window, cap, num_splits, return_lse, backend)
         self.return_lse = return_lse
+
+    def _check_written(self, tensors) -> None:
+        q, k_cache, v_cache, k, v, k_scale, v_scale = tensors
+        if k is not None:
+            _checks.check_written_apart(_checks.written_by_append(k_cache, v_cache, k_scale, v_scale))
 
     def run(self, q, k_cache, v_cache, k=None, v=None, k_scale=None, v_scale=None, *, out=None):
         """Attention for one layer (appending ``k, v`` when the plan was made with them; a
