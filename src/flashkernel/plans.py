@@ -53,8 +53,8 @@ def _same_layout(name: str, x, expected) -> bool:
         shape, stride, dtype, device, _ = expected
         raise ValueError(
             f"{name} has shape {tuple(x.shape)}, strides {x.stride()}, dtype {x.dtype} on {x.device}; the plan "
-            f"was made for shape {tuple(shape)}, strides {stride}, dtype {dtype} on {device}: make a new plan "
-            "for it")
+            f"was made for shape {tuple(shape)}, strides {stride}, dtype {dtype} on {device}: pass the planned "
+            f"layout, or make a new plan for this one (which checks {name} as the function does)")
     return got == expected
 
 
@@ -251,10 +251,12 @@ class DecodePlan(_Plan):
     ``block_table``, ``cache_leftpad``, ``alibi_slopes`` and ``sinks`` are kept (not copied: update
     them in place between steps); the values of the lengths, block table and key starts are
     checked now with ``validate=True`` (one device-to-host copy per plan), or when they are on the
-    CPU with ``validate=None``, and not at each run (the module's docstring says what in-place
-    updates must keep). ``q``, ``k_cache``, ``v_cache``, ``k``, ``v`` and a quantized
-    cache's ``k_scale``, ``v_scale`` are examples: each :meth:`run` takes its layer's, which must
-    have the same shapes, strides, dtypes and device.
+    CPU with ``validate=None``, and not at each run: keep each length within the cache's capacity
+    (with the step's new tokens) and every block-table entry the lengths reach a page of the pool
+    (``flashkernel.plans``' docstring says more). ``q``, ``k_cache``, ``v_cache``, ``k``, ``v``
+    and a quantized cache's ``k_scale``, ``v_scale`` are examples: each :meth:`run` takes its
+    layer's, which must have the same shapes, strides, dtypes and device (per-token scales: each
+    layer its own, as the append writes them).
     """
 
     def __init__(self, q, k_cache, v_cache, *, k=None, v=None, cache_seqlens, block_table=None,
