@@ -387,7 +387,8 @@ def call(args, **overrides):
     (lambda a: {"k_cache": a["k_cache"].float().half(), "v_cache": a["v_cache"].float().half(), "v_scale": None},
      ValueError, "k_scale is given but the cache has dtype float16: scales belong to a quantized cache"),
 ], ids=["mixed-formats", "mixed-quantized-and-float", "unsupported-format", "no-k-scale", "no-v-scale",
-        "scale-dtype", "scale-number", "scale-shape", "scale-heads", "mixed-granularity", "scale-without-quantized-cache"])
+        "scale-dtype", "scale-number", "scale-shape", "scale-heads", "mixed-granularity",
+        "scale-without-quantized-cache"])
 def test_bad_quantized_inputs_raise_before_launch(change, exc, match, no_launch):
     a = quantized_inputs()
     with pytest.raises(exc, match=match):
@@ -435,6 +436,25 @@ def test_what_an_append_writes_may_interleave_or_be_shared_when_only_read(no_lau
     static = appended(quantized_inputs(granularity="tensor"))
     with pytest.raises(AssertionError, match="kernel launched"):
         call(static, v_scale=static["k_scale"])
+
+
+def test_the_overlap_check_skips_fake_tensors():
+    """Under ``FakeTensorMode`` (shape and memory estimates) or ``make_fx``, tensors have no
+    addresses (every fake one reads as 0): the append's overlap check leaves them alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k_cache, v_cache, k, v, lens):
+        return flashkernel.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, validate=False)
+
+    def inputs():
+        return (torch.randn(2, 1, 4, 32, device=DEVICE).half(), torch.zeros(2, 8, 2, 32, device=DEVICE).half(),
+                torch.zeros(2, 8, 2, 32, device=DEVICE).half(), torch.randn(2, 1, 2, 32, device=DEVICE).half(),
+                torch.randn(2, 1, 2, 32, device=DEVICE).half(), torch.tensor([3, 5], dtype=torch.int32, device=DEVICE))
+
+    with FakeTensorMode():
+        assert step(*inputs()).shape == (2, 1, 4, 32)
+    assert make_fx(step, tracing_mode="fake")(*inputs()) is not None
 
 
 def test_a_plan_refuses_runs_whose_appends_overlap():

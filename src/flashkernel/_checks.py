@@ -349,7 +349,7 @@ def check_kv_scales(k_scale, v_scale, k_cache, quantized: bool) -> None:
             raise ValueError(
                 f"k_cache has dtype {_dtype_name(k_cache.dtype)} (a quantized cache) but {name} is None: pass "
                 f"k_scale and v_scale, float32 {scale_shapes(k_cache)}")
-        if isinstance(scale, numbers.Real):
+        if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
             raise TypeError(f"{name} is the number {scale!r}; this call takes scales as float32 tensors on the cache's "
                             f"device (nothing then syncs with the host): make one once, torch.tensor([{scale!r}], "
                             "device=k_cache.device), and pass it to every call (quantize_kv and KVCache take numbers)")
@@ -478,8 +478,9 @@ def check_written_apart(written) -> None:
     """Tensors a call writes in place (``(name, tensor)``, validated) must each have one element
     per address and share no memory: not one start address, and for two contiguous tensors no
     common byte. Views that interleave in one buffer (K and V halves of a ``[..., 2, H, D]``
-    pool) are not refused: their elements are apart, which only a per-element test would show."""
-    present = [(name, x) for name, x in written if x.numel()]
+    pool) are not refused: their elements are apart, which only a per-element test would show.
+    Tensors of other types (a trace's fake or functional tensors) have no addresses: skipped."""
+    present = [(name, x) for name, x in written if type(x) is torch.Tensor and x.numel()]
     for name, x in present:
         if not x.is_contiguous() and torch._debug_has_internal_overlap(x) == 1:
             raise ValueError(f"{name} has strides {x.stride()}: several of its elements share an address (an expanded "
@@ -488,9 +489,10 @@ def check_written_apart(written) -> None:
     for i, (name, x) in enumerate(present):
         for other, y in present[i + 1:]:
             if _share_memory(x, y):
+                hint = (" (per-token scales: torch.zeros_like for each, and each layer its own)" if "scale" in name
+                        else "")
                 raise ValueError(f"{name} and {other} share memory, and the append writes both in place: give each "
-                                 "its own tensor (for per-token scales, one k_scale and one v_scale per layer: "
-                                 "torch.zeros_like)")
+                                 f"its own tensor{hint}")
 
 
 def _share_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
