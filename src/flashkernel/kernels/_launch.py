@@ -138,9 +138,15 @@ def _fresh(shape, dtype: torch.dtype, device, zeroed: bool, strides=None) -> tor
     skips the dispatcher: a third of ``torch.empty``'s host time."""
     if zeroed:
         return torch.zeros(shape, dtype=dtype, device=device)
-    if strides is not None and _empty_strided_cuda is not None and empty is _default_empty and device.type == "cuda":
+    if strides is not None and _direct_allocation(device):
         return _empty_strided_cuda(shape, strides, dtype)
     return empty(shape, dtype, device)
+
+
+def _direct_allocation(device) -> bool:
+    """Whether a new (not zeroed) buffer on ``device`` comes from PyTorch's direct CUDA allocator
+    (given its strides): where the build has it and :func:`empty` has not been replaced."""
+    return _empty_strided_cuda is not None and empty is _default_empty and device.type == "cuda"
 
 
 def allocated_off_thread(stream: int, device, make):
@@ -469,7 +475,7 @@ class Replay:
         """``(make, args)``: ``make(*args)`` is what :func:`_fresh` gives for allocation ``j``, with
         PyTorch's direct allocator called as it is where ``_fresh`` would call it."""
         shape, dtype, device, zeroed, strides = self.allocations[j]
-        if not zeroed and _empty_strided_cuda is not None and empty is _default_empty and device.type == "cuda":
+        if not zeroed and _direct_allocation(device):
             return _empty_strided_cuda, (shape, strides, dtype)
         return _fresh, self.allocations[j]
 
