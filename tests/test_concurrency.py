@@ -111,7 +111,7 @@ def test_threads_on_one_stream_issue_a_split_decode_one_at_a_time_gpu():
     mine, theirs = decode_inputs(), decode_inputs()
     want_mine, want_theirs = decode_call(mine, num_splits=4), decode_call(theirs, num_splits=4)
     replay = next(r for r in interface._EAGER_CALLS._replays.values() if r)
-    replay.native = None
+    replay.native, replay._entry = None, False  # neither the C launcher nor its one-call runs
     (launch, *head), *rest = replay.launches[0]
     paused, resume = threading.Event(), threading.Event()
 

@@ -870,3 +870,186 @@ def test_kept_temporaries_are_made_on_a_helper_thread_on_the_runs_stream(stub_na
     streams.append(10)
     with pytest.raises(MemoryError, match="no room"):
         guard.run(replay, (q, k, None), (held,))
+
+
+def test_a_replays_checked_run_is_one_c_call_once_its_streams_buffers_exist(stub_native, monkeypatch):
+    """``Replay.run_checked`` hands the whole run to the C launcher's ``replay_run`` (the current
+    device, stream and capture state are asked there, the temporaries' lock taken there) once the
+    stream's buffers exist; where Python has a step to take (another current device, capture, a
+    stream not seen yet, a replaced ``empty``) it answers NotImplemented and launches nothing."""
+    native, stub = stub_native
+    replay, streams, allocated, (q, k, held), guard = _counted_stub_replay(monkeypatch, native, stub)
+    c_guard = guard.native()
+    guard.run(replay, (q, k, None), (held,))  # Python's path: the first run on stream 7 makes its buffers
+    run, state = replay._entry
+    assert run is native.replay_run
+    monkeypatch.setattr(replay, "_buffer_spec", lambda *args: pytest.fail("Python's path taken"))
+    q2 = torch.randn_like(q)
+    (out,) = replay.run_checked(c_guard, (q2, k, None), (held,))
+    assert [stub.stub_param(i) - 8 for i in (0, 1, 2, 4)] == [q2.data_ptr(), k.data_ptr(), held.data_ptr(),
+                                                              out.data_ptr()]
+    count, allocated[:] = stub.stub_launches(), []
+
+    def run_with(**globals_):
+        with monkeypatch.context() as patched:
+            for name, value in globals_.items():
+                patched.setattr(_launch, name, value)
+            return run(state, c_guard, (q, k, None), (held,), None, None)
+
+    assert run_with(_current_device=lambda: 1) is NotImplemented
+    assert run_with(stream_capturing=lambda: True) is NotImplemented
+    assert run_with(_raw_stream=lambda device: 8) is NotImplemented
+    assert run_with(empty=lambda *args: None) is NotImplemented
+    assert run(state, c_guard, (q, q, None), (held,), False, None) is None  # turned away by the guard
+    assert stub.stub_launches() == count and not allocated
+
+
+def test_a_replays_c_run_takes_the_temporaries_lock_and_releases_it_on_an_error(stub_native, monkeypatch):
+    native, stub = stub_native
+    replay, _, _, (q, k, held), guard = _counted_stub_replay(monkeypatch, native, stub)
+    taken = []
+
+    class NotingLock:
+        def acquire(self):
+            taken.append("acquire")
+            return True
+
+        def release(self):
+            taken.append("release")
+
+        def __enter__(self):
+            self.acquire()
+
+        def __exit__(self, *exc):
+            self.release()
+
+    replay._scratch_lock = NotingLock()
+    guard.run(replay, (q, k, None), (held,))  # Python's path: makes the buffers (and takes the lock)
+    taken.clear()
+    guard.run(replay, (q, k, None), (held,))
+    assert taken == ["acquire", "release"]
+
+    def no_room(*args):
+        raise MemoryError("no room")
+
+    (kept, makers), empty = replay._buffer_specs[7]
+    replay._buffer_specs[7] = ((kept, ((1, True, no_room, ()),)), empty)
+    taken.clear()
+    with pytest.raises(MemoryError, match="no room"):
+        guard.run(replay, (q, k, None), (held,))
+    assert taken == ["acquire", "release"]
+
+
+def _stub_plan(monkeypatch, native, stub, **kwargs):
+    """A DecodePlan over CPU tensors whose runs replay a stub replay (of q, the caches, the lengths,
+    a temporary and the output) through the C launcher, as a plan made on a GPU would."""
+    from flashkernel import DecodePlan, plans
+
+    replay, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 2, 7, 12, 13])
+    monkeypatch.setattr(plans, "stream_capturing", lambda: False)
+    q, k_cache, v_cache = torch.randn(2, 1, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    plan = DecodePlan(q, k_cache, v_cache, cache_seqlens=torch.full((2,), 5, dtype=torch.int32), **kwargs)
+    plan._guards = {torch.is_inference_mode_enabled(): _launch.LayoutGuard.make((q, k_cache, v_cache, *[None] * 4))}
+    plan._calls._replays[False] = replay
+    return plan, (q, k_cache, v_cache)
+
+
+def test_a_plans_run_is_one_c_call_after_its_first(stub_native, monkeypatch):
+    """After a plan's first run through the C launcher, ``run`` is one call into it (``plan_run``:
+    forward AD's level, functorch's, the inference mode and the capture state are asked there),
+    into a new output or the caller's, whose version counter it bumps as ``copy_`` would. While
+    forward AD or a torch.func transform is active it leaves the run to Python's path, which
+    checks them; a plan whose sinks want a gradient never takes it."""
+    native, stub = stub_native
+    plan, (q, k_cache, v_cache) = _stub_plan(monkeypatch, native, stub)
+    plan.run(q, k_cache, v_cache)
+    assert plan._fast is native.plan_run
+    monkeypatch.setattr(plan, "_replayed", lambda *args: pytest.fail("Python's path taken"))
+    q2 = torch.randn_like(q)
+    out = plan.run(q2, k_cache, v_cache)
+    assert [stub.stub_param(i) - 8 for i in (0, 1, 2, 5)] == [q2.data_ptr(), k_cache.data_ptr(),
+                                                              v_cache.data_ptr(), out.data_ptr()]
+    tensors = (q, k_cache, v_cache, None, None, None, None)
+    with torch.autograd.forward_ad.dual_level():
+        assert plan._fast(plan._fast_runs, tensors, plan._fixed, None) is NotImplemented
+    monkeypatch.setattr(_launch, "_functorch_level", lambda: 1)
+    assert plan._fast(plan._fast_runs, tensors, plan._fixed, None) is NotImplemented
+    monkeypatch.undo()
+
+    plan, (q, k_cache, v_cache) = _stub_plan(monkeypatch, native, stub)
+    given = torch.empty_like(q)
+    plan._out_guards[torch.is_inference_mode_enabled()] = _launch.LayoutGuard.make((given,))
+    for _ in range(2):  # Python's path, then the C call alone
+        version = given._version
+        assert plan.run(q, k_cache, v_cache, out=given) is given and given._version == version + 1
+        assert stub.stub_param(5) - 8 == given.data_ptr()
+        assert plan._fast_runs[False][False][2] is not None
+        monkeypatch.setattr(plan, "_replayed", lambda *args: pytest.fail("Python's path taken"))
+    with torch.inference_mode():  # the other mode: a guard of its own, filed by Python's path first
+        monkeypatch.undo()
+        plan, (q, k_cache, v_cache) = _stub_plan(monkeypatch, native, stub)
+        plan.run(q, k_cache, v_cache)
+        assert plan._fast_runs[True][False] is not None and plan._fast_runs[False][False] is None
+        monkeypatch.setattr(plan, "_replayed", lambda *args: pytest.fail("Python's path taken"))
+        out = plan.run(q, k_cache, v_cache)
+        assert stub.stub_param(5) - 8 == out.data_ptr()
+
+    with torch.no_grad():
+        sinks = torch.zeros(4, requires_grad=True)
+        plan, (q, k_cache, v_cache) = _stub_plan(monkeypatch, native, stub, sinks=sinks)
+        for _ in range(2):
+            plan.run(q, k_cache, v_cache)
+        assert plan._fast is None
+
+
+def test_an_eager_calls_look_up_and_run_are_one_c_call(stub_native, monkeypatch):
+    """``eager_run``: the first recent replay filed with the call's probe (name, scalars of the same
+    values and types, the capture state, the window) runs through its guard's and its own C form;
+    NotImplemented (nothing launched) for another probe, a guard that turns the tensors away, a
+    tensor subclass, forward AD or a torch.func transform. ``flash_attn_with_kvcache`` returns what
+    it ran without Python's look-up."""
+    from flashkernel import flash_attn_with_kvcache, interface
+
+    native, stub = stub_native
+    replay, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 2, 5, 12, 13])
+    q, k_cache, v_cache = torch.randn(2, 1, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    lengths = torch.full((2,), 5, dtype=torch.int32)
+    tensors = (q, k_cache, v_cache, None, None, lengths, *[None] * 6)
+    scalars = (True, None, 0.0, 0, False, None, "auto")
+    window = interface._checks.NO_WINDOW
+    calls = _launch.CallCache()
+    calls._remember(interface._probe("kvcache", (*scalars, False), window), tensors, replay)
+    run = calls.native_quick
+    assert run is native.eager_run
+    replay.run_checked(calls._recent[0][1].native(), tensors)  # the first run on the stream: Python's path
+    count = stub.stub_launches()
+    (out,) = run(calls._recent, "kvcache", scalars, window, tensors, True)
+    assert [stub.stub_param(i) - 8 for i in (0, 1, 2, 3, 5)] == [q.data_ptr(), k_cache.data_ptr(),
+                                                                 v_cache.data_ptr(), lengths.data_ptr(), out.data_ptr()]
+    for other in (("fwd", scalars, window, tensors), ("kvcache", (False, *scalars[1:]), window, tensors),
+                  ("kvcache", (1, *scalars[1:]), window, tensors), ("kvcache", scalars, (-1, -1), tensors),
+                  ("kvcache", scalars, window, (q, q, *tensors[2:])),
+                  ("kvcache", scalars, window, (torch.nn.Parameter(q, requires_grad=False), *tensors[1:]))):
+        assert run(calls._recent, *other, True) is NotImplemented
+    with torch.autograd.forward_ad.dual_level():
+        assert run(calls._recent, "kvcache", scalars, window, tensors, True) is NotImplemented
+    with monkeypatch.context() as patched:
+        patched.setattr(_launch, "_functorch_level", lambda: 1)
+        assert run(calls._recent, "kvcache", scalars, window, tensors, True) is NotImplemented
+    assert stub.stub_launches() == count + 1
+    # A replay of the same probe over longer caches, first among the recent ones: its guard turns
+    # the call away and the next replay of the probe runs it, as CallCache.quick would.
+    longer, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 2, 5, 12, 13])
+    longer_tensors = (q, *(torch.randn(2, 32, 2, 8) for _ in range(2)), *tensors[3:])
+    calls._remember(calls._recent[0][0], longer_tensors, longer)
+    assert calls._recent[0][2] is longer
+    calls._recent[0][1].run(longer, longer_tensors)  # its C forms and buffers made: it could run alone
+    assert longer._entry and longer._buffer_specs and stub.stub_launches() == count + 2
+    (out,) = run(calls._recent, "kvcache", scalars, window, tensors, True)
+    assert stub.stub_launches() == count + 3 and stub.stub_param(5) - 8 == out.data_ptr()
+    count += 2
+
+    monkeypatch.setattr(interface, "_EAGER_CALLS", calls)
+    monkeypatch.setattr(interface, "_lookup", lambda *args, **kwargs: pytest.fail("Python's look-up taken"))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    assert stub.stub_launches() == count + 2 and stub.stub_param(5) - 8 == out.data_ptr()

@@ -608,6 +608,14 @@ def flash_attn_with_kvcache(
     # quantized cache never replays the launches of a call over another format or granularity.
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
                v_scale)
+    quick_run = _EAGER_CALLS.native_quick
+    if quick_run is not None and validate is not True and not torch.compiler.is_compiling():
+        # a recent replay's look-up and run in one C call (_lookup's first step; it checks the
+        # differentiation modes as the line below does, leaving them to it when active)
+        results = quick_run(_EAGER_CALLS._recent, "kvcache", (causal, softmax_scale, softcap, num_splits, return_lse,
+                                                              validate, backend), window_size, tensors, True)
+        if results is not NotImplemented:
+            return results if return_lse else results[0]
     ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_with_kvcache")
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call

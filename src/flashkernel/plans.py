@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, interface, ops
-from .kernels import decode, dispatch
+from .kernels import _native, decode, dispatch
 from .kernels._launch import CallCache, LayoutGuard, layout, layouts, stream_capturing
 
 __all__ = ["DecodePlan", "VarlenPlan"]
@@ -81,12 +81,15 @@ class _Plan:
         # output a replay wrote directly.
         self._guards = {torch.is_inference_mode_enabled(): LayoutGuard.make(examples)} if examples[0].is_cuda else {}
         self._out_guards = {}
-        self._native_out = {}  # by inference mode: the C launcher's form of both (LayoutGuard.native_form)
         self._out_bytes = examples[0].numel() * examples[0].element_size()
         self._run_name = type(self).__name__ + ".run"
-        # [inference mode][capturing]: (replay, the C form of its guard) where both exist, for
-        # runs without ``out`` (the fast path's look-ups done once)
+        # [inference mode][capturing]: (replay, the C form of its guard, the same checking ``out``
+        # or None, the replay's C entry) where the C launcher runs them (_native_run)
         self._native_runs = [[None, None], [None, None]]
+        # The same as the C launcher's plan_run reads them, (entry, guard, out's guard), and that
+        # function once a run has filed one (runs with sinks that want a gradient: never)
+        self._fast_runs = [[None, None], [None, None]]
+        self._fast = None
 
     _HINT = ""  # ends the message that refuses a gradient
 
@@ -163,7 +166,8 @@ class _Plan:
     def _replayed(self, tensors, fixed, out):
         """The fast path of a run: the results of the recorded launches when the guards vouch for
         ``tensors`` (and for ``out``, which then shares no byte with them); None when the caller
-        must take :meth:`_run`'s path (which raises what is wrong, if anything is)."""
+        must take :meth:`_run`'s path (which raises what is wrong, if anything is). Files what
+        the C launcher's ``plan_run`` needs for this inference mode and capture state."""
         if torch.compiler.is_compiling():
             return None
         mode = torch.is_inference_mode_enabled()
@@ -171,30 +175,22 @@ class _Plan:
         if guard is None:  # the CPU, or no guard can be made
             return None
         capturing = stream_capturing()
-        if out is None:
-            native_run = self._native_runs[mode][capturing]
-            if native_run is not None:
-                return native_run[0].run_checked(native_run[1], tensors, fixed, capturing)
         replay = self._calls.get(capturing)
         if replay is None:
             return None
+        native = self._native_run(mode, capturing, replay, guard, out is not None)
         if out is None:
-            if replay.native is not None and guard.native() is not None:
-                self._native_runs[mode][capturing] = (replay, guard.native())
+            if native is not None:
+                return replay.run_checked(native[1], tensors, fixed, capturing)
             return guard.run(replay, tensors, fixed, capturing)
+        if native is not None and native[2] is not None:
+            results = replay.run_checked(native[2], tensors, fixed, capturing, out=out)
+            if results is not None:  # written in place: marked as copy_ would have marked it
+                torch.autograd.graph.increment_version(out)
+            return results
         out_guard = self._out_guards.get(mode)
         if out_guard is None:
             return None
-        if replay.native is not None:
-            native = self._native_out.get(mode, False)
-            if native is False:  # the guard's C form that checks out as _check_out does (made once per mode)
-                spans = tuple((start, size) for _, start, size in self._kept_spans)
-                native = self._native_out[mode] = guard.native_form((out_guard, self._out_bytes, self._extents, spans))
-            if native is not None:
-                results = replay.run_checked(native, tensors, fixed, capturing, out=out)
-                if results is not None:  # written in place: marked as copy_ would have marked it
-                    torch.autograd.graph.increment_version(out)
-                return results
         addresses = guard.addresses(tensors)
         out_address = None if addresses is None else out_guard.addresses((out,))
         if out_address is None or self._overlapped(out_address[0], out_address[0] + self._out_bytes,
@@ -205,6 +201,32 @@ class _Plan:
                              capturing=capturing)
         torch.autograd.graph.increment_version(out)  # written in place, as copy_ would have marked it
         return results
+
+    def _native_run(self, mode: bool, capturing: bool, replay, guard, with_out: bool):
+        """``(replay, its guard's C form, the C form that also checks ``out`` as _check_out does
+        or None, the replay's C entry)`` for runs in ``mode`` and ``capturing`` through the C
+        launcher, filed in ``_native_runs`` and, as the C launcher's ``plan_run`` reads it, in
+        ``_fast_runs`` (the output's form once ``out``'s guard exists); None where the replay or
+        the guard has no C form."""
+        native = self._native_runs[mode][capturing]
+        if native is None or native[0] is not replay:
+            entry = replay._entry if replay._entry is not None else replay._native_entry()
+            guard_native = guard.native() if replay.native is not None else None
+            if not entry or guard_native is None:
+                return None
+            native = (replay, guard_native, None, entry)
+        out_guard = self._out_guards.get(mode)
+        if with_out and native[2] is None and out_guard is not None:
+            spans = tuple((start, size) for _, start, size in self._kept_spans)
+            out_native = guard.native_form((out_guard, self._out_bytes, self._extents, spans))
+            if out_native is not None:
+                native = (replay, native[1], out_native, native[3])
+        if native is not self._native_runs[mode][capturing]:
+            self._native_runs[mode][capturing] = native
+            self._fast_runs[mode][capturing] = (native[3][1], native[1], native[2])
+            if self._fast is None and not self._sinks_want_grad:
+                self._fast = _native.checking_module().plan_run
+        return native
 
     def _run(self, tensors, fixed, call, out=None):
         inputs = tuple(tensors) + tuple(fixed)
@@ -291,6 +313,10 @@ class DecodePlan(_Plan):
         allocation per layer; contiguous is fastest), not overlapping the inputs; it is returned.
         """
         tensors = (q, k_cache, v_cache, k, v, k_scale, v_scale)
+        if self._fast is not None and not torch.compiler.is_compiling():
+            results = self._fast(self._fast_runs, tensors, self._fixed, out)  # the whole run in one C call
+            if results is not None and results is not NotImplemented:
+                return results if self.return_lse else results[0]
         self._check_run(tensors)
         if self.empty:
             self._refuse_grad(tensors)
@@ -344,6 +370,10 @@ class VarlenPlan(_Plan):
     def run(self, q, k, v, *, out=None):
         """Attention for one layer: ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]``; ``out``
         as in :meth:`DecodePlan.run`."""
+        if self._fast is not None and not torch.compiler.is_compiling():
+            results = self._fast(self._fast_runs, (q, k, v), self._fixed, out)  # the whole run in one C call
+            if results is not None and results is not NotImplemented:
+                return results if self.return_lse else results[0]
         self._check_run((q, k, v))
         if self.empty:
             self._refuse_grad((q, k, v))

@@ -385,6 +385,7 @@ class Replay:
         clone = object.__new__(Replay)
         clone.__dict__.update(self.__dict__)
         clone.launches = self.launches[:index] + (launch,) + self.launches[index + 1:]
+        clone._entry = None  # its own parameters
         if self.native is not None:
             # The same capsules (kernel, grid, address slots) with other parameters: from now on
             # every replay sharing them passes its own parameters to each run.
@@ -427,12 +428,36 @@ class Replay:
                 return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
         return self._launch(inputs, reuse_scratch, outputs, addresses, capturing)
 
+    _entry = None  # (the C launcher's replay_run, this replay's entry for it), False: none (_native_entry)
+
+    def _native_entry(self):
+        """``(replay_run, entry)``: the C launcher's run of this replay from its state in one call
+        (``_native.py``: the device, the launches and their parameters, the outputs, the
+        temporaries' lock and the buffers kept per stream), or False where the C launcher or its
+        checks are missing. Made once per replay (a replay of other arguments makes its own): it
+        holds ``native``, ``_storages`` and the lock as they are now, so those are not reassigned."""
+        native = native_runs() if self.native is not None else None
+        if native is None:
+            self._entry = False
+        else:
+            self._entry = (native.replay_run, (self.device, self.native, self._storages, self.outputs,
+                                               self._scratch_lock if self.scratch else None, self._buffer_specs))
+        return self._entry
+
     def run_checked(self, guard, tensors, fixed=(), capturing=None, out=None, reuse_scratch: bool = True):
         """:meth:`run` on ``(*tensors, *fixed)`` with ``reuse_scratch`` (and ``outputs=(out,)``
         when ``out`` is given), where the C launcher first checks ``tensors`` (and ``out``) with
         ``guard`` (a :meth:`LayoutGuard.native_form`) and reads every address itself: None when the
         guard does not vouch for them (nothing allocated or launched). For replays through the C
-        launcher (``native`` not None)."""
+        launcher (``native`` not None). With ``reuse_scratch``, one call into the C launcher
+        (:meth:`_native_entry`) where it can do the run alone (the current device, a stream whose
+        buffers are made, outside capture)."""
+        entry = self._entry
+        if reuse_scratch and (entry or (entry is None and self._native_entry())):
+            run, state = self._entry
+            results = run(state, guard, tensors, fixed, capturing, out)
+            if results is not NotImplemented:
+                return results
         if _current_device() != self.device:
             with torch.cuda.device(self.device):  # the capture state asked again: that device's stream's
                 return self.run_checked(guard, tensors, fixed, None, out, reuse_scratch)
@@ -444,8 +469,11 @@ class Replay:
             buffers = self._fresh_buffers
         elif self.scratch:  # one run's launches at a time per stream's temporaries: see run()
             with self._scratch_lock:
-                return checked_run(guard, tensors, fixed, self._buffer_spec(stream, capturing), stream, capturing,
-                                   self.native, self._storages, out, self.outputs)
+                results = checked_run(guard, tensors, fixed, self._buffer_spec(stream, capturing), stream,
+                                      capturing, self.native, self._storages, out, self.outputs)
+            if results is not None and not capturing and stream not in self._buffer_specs:
+                self._buffer_spec(stream, capturing)  # its temporaries made: the C call runs the next alone
+            return results
         else:
             buffers = self._buffer_spec(stream, capturing)
         return checked_run(guard, tensors, fixed, buffers, stream, capturing, self.native, self._storages, out,
@@ -543,6 +571,39 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 # torch.cuda.is_current_stream_capturing without its Python wrapper (CUDA builds: on others, as
 # that function, it raises when called).
 stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+# What the C launcher's plan_run asks besides those (it finds all of them in this module's dict,
+# _native.py's setup_runs): the inference mode, forward AD's level, functorch's transform level
+# (None outside every transform; absent from builds without functorch), and the bump of the
+# version counters of tensors written in place (a tuple of them).
+_inference_mode = torch.is_inference_mode_enabled
+_forward_ad = torch.autograd.forward_ad
+_functorch_level = getattr(torch._C._functorch, "maybe_current_level", None)
+
+
+def _bump_versions(tensors: tuple) -> None:
+    for tensor in tensors:
+        torch.autograd.graph.increment_version(tensor)
+
+
+if hasattr(torch._C, "_increment_version"):
+    _probe = torch.empty(0)
+    try:  # PyTorch's C function where it takes a tuple (its Python wrapper passes one)
+        torch._C._increment_version((_probe,))
+        if _probe._version == 1:
+            _bump_versions = torch._C._increment_version  # noqa: F811
+    except (TypeError, RuntimeError):
+        pass
+    del _probe
+
+
+def native_runs():
+    """The C launcher's module with its runs from Python's state (``replay_run``, ``plan_run``,
+    ``eager_run``) set up to find this module's functions (``_current_device``, ``_raw_stream``,
+    ``stream_capturing``, ``empty``, ...), or None where :func:`_native.checking_module` is."""
+    native = _native.checking_module()
+    if native is not None:
+        native.setup_runs(globals())
+    return native
 
 
 def replay_allowed() -> bool:
@@ -749,6 +810,9 @@ class CallCache:
         self._by_shapes = BoundedNotes(max_entries)  # (probe, shapes) -> the _recent entry last remembered there
         self.notes = BoundedNotes(max_entries)
         self.last_refusal = None  # why the last recording gave no replay (diagnostics)
+        # The C launcher's eager_run over _recent (look-up and run in one call), once a replay it
+        # can run has been remembered; None before (and without the C launcher)
+        self.native_quick = None
 
     def quick(self, probe, inputs, capturing=None, reuse_scratch: bool = True):
         """The outputs of a recent replay filed with ``probe`` (the caller's key without the tensors'
@@ -818,6 +882,9 @@ class CallCache:
             entry = self._entries[made] = (probe, LayoutGuard.make(inputs), replay, shapes)
         if entry[1] is None:  # no guard can be made: quick never serves it
             return
+        if self.native_quick is None and replay.native is not None:
+            native = native_runs()
+            self.native_quick = None if native is None else native.eager_run
         if entry[3] is not None:
             try:
                 self._by_shapes[entry[0], entry[3]] = entry
