@@ -83,11 +83,9 @@ class _Plan:
         self._out_guards = {}
         self._out_bytes = examples[0].numel() * examples[0].element_size()
         self._run_name = type(self).__name__ + ".run"
-        # [inference mode][capturing]: (replay, the C form of its guard, the same checking ``out``
-        # or None, the replay's C entry) where the C launcher runs them (_native_run)
-        self._native_runs = [[None, None], [None, None]]
-        # The same as the C launcher's plan_run reads them, (entry, guard, out's guard), and that
-        # function once a run has filed one (runs with sinks that want a gradient: never)
+        # [inference mode][capturing]: (the replay's C state, its guard's C form, the same checking
+        # ``out`` or None) where the C launcher runs them, as its plan_run reads them (_native_run),
+        # and that function once a run has filed one (runs with sinks that want a gradient: never)
         self._fast_runs = [[None, None], [None, None]]
         self._fast = None
 
@@ -203,30 +201,30 @@ class _Plan:
         return results
 
     def _native_run(self, mode: bool, capturing: bool, replay, guard, with_out: bool):
-        """``(replay, its guard's C form, the C form that also checks ``out`` as _check_out does
-        or None, the replay's C entry)`` for runs in ``mode`` and ``capturing`` through the C
-        launcher, filed in ``_native_runs`` and, as the C launcher's ``plan_run`` reads it, in
-        ``_fast_runs`` (the output's form once ``out``'s guard exists); None where the replay or
-        the guard has no C form."""
-        native = self._native_runs[mode][capturing]
-        if native is None or native[0] is not replay:
-            entry = replay._entry if replay._entry is not None else replay._native_entry()
-            guard_native = guard.native() if replay.native is not None else None
-            if not entry or guard_native is None:
+        """``(replay's C state, its guard's C form, the C form that also checks ``out`` as
+        _check_out does or None)`` for runs in ``mode`` and ``capturing`` through the C launcher,
+        filed in ``_fast_runs`` for its ``plan_run`` (the output's form once ``out``'s guard
+        exists); None where the replay or the guard has no C form."""
+        entry = replay._entry if replay._entry is not None else replay._native_entry()
+        if not entry:
+            return None
+        filed = self._fast_runs[mode][capturing]
+        if filed is None or filed[0] is not entry[1]:  # none yet, or made for another replay
+            guard_native = guard.native()
+            if guard_native is None:
                 return None
-            native = (replay, guard_native, None, entry)
+            filed = (entry[1], guard_native, None)
         out_guard = self._out_guards.get(mode)
-        if with_out and native[2] is None and out_guard is not None:
+        if with_out and filed[2] is None and out_guard is not None:
             spans = tuple((start, size) for _, start, size in self._kept_spans)
             out_native = guard.native_form((out_guard, self._out_bytes, self._extents, spans))
             if out_native is not None:
-                native = (replay, native[1], out_native, native[3])
-        if native is not self._native_runs[mode][capturing]:
-            self._native_runs[mode][capturing] = native
-            self._fast_runs[mode][capturing] = (native[3][1], native[1], native[2])
+                filed = (filed[0], filed[1], out_native)
+        if filed is not self._fast_runs[mode][capturing]:
+            self._fast_runs[mode][capturing] = filed
             if self._fast is None and not self._sinks_want_grad:
                 self._fast = _native.checking_module().plan_run
-        return native
+        return filed
 
     def _run(self, tensors, fixed, call, out=None):
         inputs = tuple(tensors) + tuple(fixed)

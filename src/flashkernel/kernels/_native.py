@@ -660,6 +660,19 @@ static PyObject *call_global(int which) {
   return function ? PyObject_CallNoArgs(function) : NULL;
 }
 
+/* 0 when `name` was called with `want` arguments after setup_runs, else -1 with the error. */
+static int runs_ready(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
+    return -1;
+  }
+  if (!rt_globals) {
+    PyErr_Format(PyExc_RuntimeError, "%s before setup_runs", name);
+    return -1;
+  }
+  return 0;
+}
+
 /* The buffers_for of a run outside capture on `stream` (a new reference): the spec kept in
    `specs` for it (_launch.Replay._buffer_spec), if made with the `empty` the launch module has
    now; NULL with no exception where there is none. */
@@ -677,10 +690,6 @@ static PyObject *kept_spec(PyObject *specs, PyObject *stream) {
    are made there: NotImplemented). */
 static PyObject *entry_run(PyObject *entry, PyObject *guard, PyObject *tensors, PyObject *fixed,
                            PyObject *capturing, PyObject *out) {
-  if (!rt_globals) {
-    PyErr_SetString(PyExc_RuntimeError, "replay_run before setup_runs");
-    return NULL;
-  }
   if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6 || !PyTuple_Check(tensors) || !PyTuple_Check(fixed)
       || !PyTuple_Check(PyTuple_GET_ITEM(entry, 1)) || !PyDict_Check(PyTuple_GET_ITEM(entry, 5))) {
     PyErr_SetString(PyExc_TypeError, "replay_run: a malformed entry or tensors");
@@ -761,10 +770,7 @@ static int differentiation_modes(void) {
    reuse_scratch in one call: the outputs' tuple, None when the guard turns the tensors away,
    NotImplemented where Python's path must run. */
 static PyObject *replay_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "replay_run takes 6 arguments");
-    return NULL;
-  }
+  if (runs_ready("replay_run", nargs, 6) != 0) return NULL;
   return entry_run(args[0], args[1], args[2], args[3], args[4], args[5]);
 }
 
@@ -774,14 +780,7 @@ static PyObject *replay_run(PyObject *self, PyObject *const *args, Py_ssize_t na
    attached (forward AD's level) or a torch.func transform is active: Python's path checks them.
    A run into `out` bumps its version counter, as copy_ would. */
 static PyObject *plan_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "plan_run takes 4 arguments");
-    return NULL;
-  }
-  if (!rt_globals) {
-    PyErr_SetString(PyExc_RuntimeError, "plan_run before setup_runs");
-    return NULL;
-  }
+  if (runs_ready("plan_run", nargs, 4) != 0) return NULL;
   PyObject *runs = args[0], *out = args[3];
   int modes = differentiation_modes();
   if (modes != 0) return modes < 0 ? NULL : Py_NewRef(Py_NotImplemented);
@@ -888,14 +887,7 @@ static PyObject *filed_run(PyObject *entry, PyObject *tensors, PyObject *capturi
    Python's look-up has more to do or check: q not a plain tensor, no such replay, forward AD or a
    torch.func transform active. */
 static PyObject *eager_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "eager_run takes 6 arguments");
-    return NULL;
-  }
-  if (!rt_globals) {
-    PyErr_SetString(PyExc_RuntimeError, "eager_run before setup_runs");
-    return NULL;
-  }
+  if (runs_ready("eager_run", nargs, 6) != 0) return NULL;
   if (!s_native && !(s_native = PyUnicode_InternFromString("_native"))) return NULL;
   if (!s_entry && !(s_entry = PyUnicode_InternFromString("_entry"))) return NULL;
   PyObject *recent = args[0], *name = args[1], *scalars = args[2], *window = args[3], *tensors = args[4];
