@@ -442,13 +442,26 @@ def test_configs_fit_the_work_per_program():
     assert fit(table, tokens_per_program=1024, grid=128, page_size=0) == table
     # B=8, 32k: long splits keep the table's tiles.
     assert fit(table, tokens_per_program=16384, grid=128, page_size=0) == table
-    # B=64, 1k: four waves of 1k-key programs over a contiguous cache: three programs per SM.
-    assert fit(table, tokens_per_program=1024, grid=512, page_size=0) == tuning.decode_tuning(None).multi_wave_config
-    assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
-    assert fit(table, tokens_per_program=1024, grid=512, page_size=256) == tuning.decode_tuning(None).multi_wave_config
+    tuned = tuning.decode_tuning(None)
+    # B=64: 512 programs, more than the multi-wave tile holds at once (three per SM), at most what
+    # the one-wave tile holds (four): the one-wave tile, contiguous or in small pages, 1k to 4k.
+    for page_size in (0, 16):
+        for tokens in (1024, 2048, 4096):
+            assert fit(table, tokens_per_program=tokens, grid=512, page_size=page_size) == tuned.one_wave_config
+    assert fit(table, tokens_per_program=4096, grid=4 * 132, page_size=0) == tuned.one_wave_config
+    # B=96, 1k: 768 programs, more than four per SM: three programs per SM.
+    assert fit(table, tokens_per_program=1024, grid=768, page_size=0) == tuned.multi_wave_config
+    assert fit(table, tokens_per_program=1024, grid=4 * 132 + 1, page_size=0) == tuned.multi_wave_config
+    # B=48, 1k: 384 programs, held at once by the multi-wave tile.
+    assert fit(table, tokens_per_program=1024, grid=3 * 132, page_size=0) == tuned.multi_wave_config
+    assert fit(table, tokens_per_program=4096, grid=768, page_size=0) == table
+    # Large pages: the multi-wave rule only.
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=256) == tuned.multi_wave_config
     # ... over small pages whatever the programs' length.
-    assert fit(table, tokens_per_program=4096, grid=512, page_size=16) == tuning.decode_tuning(None).multi_wave_config
+    assert fit(table, tokens_per_program=4096, grid=768, page_size=16) == tuned.multi_wave_config
     assert fit(table, tokens_per_program=4096, grid=512, page_size=256) == table
+    # Head dims padded to 64 keep the multi-wave rule.
+    assert decode.fit_config(table, 1024, 512, 132, 0, head_dim=64) == tuned.multi_wave_config
     # Two planned waves over small pages (B=8, 32k: 4 splits) are not a multi-wave grid.
     assert fit(table, tokens_per_program=8192, grid=256, page_size=16, waves=2) == table
     assert decode.fit_config(table, 64, 128, 132, 0, head_dim=256) == table
@@ -479,21 +492,21 @@ def test_one_byte_caches_keep_a_large_grid_resident():
     for page_size in (0, 16):
         for tokens, grid in ((4096, 512), (1024, 512), (4096, 1024)):
             assert fit(table, tokens_per_program=tokens, grid=grid, page_size=page_size, kv_scale=2) == table
-    assert fit(table, tokens_per_program=1024, grid=512, page_size=16) == tuned.multi_wave_config
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=16) == tuned.one_wave_config
     # Short splits get short tiles, but with per-token scales (whole_tiles).
     assert fit(table, tokens_per_program=256, grid=128, page_size=0, kv_scale=1).block_n == tuned.short_block_n
     assert fit(table, tokens_per_program=128, grid=264, page_size=0, kv_scale=2) == table
     assert fit(table, tokens_per_program=256, grid=128, page_size=16, kv_scale=2) == table
     assert decode.fit_config(table, 256, 128, 132, 0, head_dim=64, kv_scale=2).block_n == tuned.short_block_n
-    # A bf16 cache's grid of the same size is not affected.
-    assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == table
+    # A bf16 cache's grid of the same size takes its own rule (the one-wave tile).
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=0) == tuned.one_wave_config
 
 
 @pytest.mark.parametrize("kv_scale, page_size", [(0, 0), (1, 0), (1, 16), (2, 0), (2, 16)])
 def test_planned_decode_takes_the_resident_tiles_for_batch_64(monkeypatch, kv_scale, page_size):
     """What ``plan_decode`` (used by decode_forward and the length families) gives batch 64 x 4k
     on a 132-SM GPU: 64-key tiles over a 1-byte cache with scales per tensor or head only;
-    128-key tiles over bf16 and with per-token scales (pages of 16 too)."""
+    128-key tiles with per-token scales; over bf16 the one-wave tile (pages of 16 too)."""
     monkeypatch.setattr(decode, "sm_count", lambda device, interpreted: 132)
     tuned = tuning.decode_tuning(None)
     q = torch.empty(64, 1, 32, 128, dtype=torch.bfloat16)
@@ -507,7 +520,7 @@ def test_planned_decode_takes_the_resident_tiles_for_batch_64(monkeypatch, kv_sc
         table = tuned.quantized_small_pages if page_size else tuned.quantized_contiguous
         assert launch.config == table[128]
     else:
-        assert launch.config.block_n == 128
+        assert launch.config == tuned.one_wave_config
 
 
 @pytest.mark.parametrize("kv_scale, page_size, context, splits, block_n", [
@@ -1003,6 +1016,17 @@ def test_new_tokens_and_splits_gpu(num_splits, seqlen_new, decode_backend):
 @pytest.mark.parametrize("page_size", [None, 16, 256])
 def test_long_contexts_gpu(page_size, decode_backend):
     run_and_check((4097, 70001, 131072), 1, (32, 8), 128, torch.bfloat16, page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_batch_64_gpu(page_size, dtype):
+    """Batch 64 x 8 KV heads of 128: 512 programs, which a 132-SM GPU runs in one wave of
+    ``one_wave_config`` tiles (fit_config); ragged lengths from 0 to 2k."""
+    lengths = [0, 1, 2047] + torch.randint(0, 2048, (61,)).tolist()
+    run_and_check(lengths, 1, (32, 8), 128, dtype, page_size)
+    run_and_check(lengths, 2, (32, 8), 128, dtype, page_size, append=False)
 
 
 @pytest.mark.gpu

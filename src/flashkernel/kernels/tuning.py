@@ -248,7 +248,10 @@ class DecodeTuning:
     their splits in the decode kernel (``decode.merges_in_kernel``); splits of at
     most ``short_split_tokens`` keys use ``short_block_n``-key tiles; grids of more than a wave
     whose programs read at most ``multi_wave_max_tokens`` keys (or read small pages) use
-    ``multi_wave_config``, except over 1-byte caches at head dims padded to 128, where grids of
+    ``multi_wave_config``; at head dims padded to 128, contiguous or in small pages, grids of
+    more than ``multi_wave_resident_programs_per_sm`` (what ``multi_wave_config`` holds at once)
+    and at most ``one_wave_resident_programs_per_sm`` programs per SM use ``one_wave_config``
+    whatever their programs read, except over 1-byte caches, where grids of
     more than ``quantized_resident_programs_per_sm`` and at most
     ``quantized_multi_wave_resident_programs_per_sm`` programs per SM use
     ``quantized_multi_wave_config`` (scales per tensor or head, contiguous or small pages) and
@@ -275,6 +278,9 @@ class DecodeTuning:
     short_block_n: int
     multi_wave_max_tokens: int
     multi_wave_config: DecodeConfig
+    multi_wave_resident_programs_per_sm: int
+    one_wave_config: DecodeConfig
+    one_wave_resident_programs_per_sm: int
     max_auto_splits: int
     merge_in_kernel_max_bytes: int
     merge_in_kernel_max_splits: int
@@ -322,6 +328,9 @@ class DecodeTuning:
             short_split_tokens=rules["short_split_tokens"], short_block_n=rules["short_block_n"],
             multi_wave_max_tokens=rules["multi_wave_max_tokens"],
             multi_wave_config=DecodeConfig(*rules["multi_wave_config"]),
+            multi_wave_resident_programs_per_sm=rules["multi_wave_resident_programs_per_sm"],
+            one_wave_config=DecodeConfig(*rules["one_wave_config"]),
+            one_wave_resident_programs_per_sm=rules["one_wave_resident_programs_per_sm"],
             max_auto_splits=rules["max_auto_splits"],
             merge_in_kernel_max_bytes=rules["merge_in_kernel_max_bytes"],
             merge_in_kernel_max_splits=rules["merge_in_kernel_max_splits"],
