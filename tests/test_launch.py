@@ -722,6 +722,38 @@ def test_the_c_launchers_checked_run_into_an_output_checks_it_as_a_plan_does(stu
                            None, out0)
 
 
+def _stub_kvcache_call(monkeypatch, stub_native):
+    """A stub replay of a cache call (:func:`_stub_replay`), and that call's ``q, k_cache, v_cache,
+    lengths``, its tensors as ``flash_attn_with_kvcache`` files them, its scalars and window."""
+    from flashkernel import interface
+
+    native, stub = stub_native
+    replay, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 2, 5, 12, 13])
+    q, k_cache, v_cache = torch.randn(2, 1, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    lengths = torch.full((2,), 5, dtype=torch.int32)
+    tensors = (q, k_cache, v_cache, None, None, lengths, *[None] * 6)
+    return replay, (q, k_cache, v_cache, lengths), tensors, (True, None, 0.0, 0, False, None, "auto"), \
+        interface._checks.NO_WINDOW
+
+
+def test_a_remembered_replay_runs_through_eager_run_at_once(stub_native, monkeypatch):
+    """A replay put among the recent ones gets its guard's and its own C forms there: the next
+    call of its probe is one ``eager_run``, as for a rebound replay of a decode step's new cache
+    length (``with_arguments`` gives it no C entry; its stream's buffers are its recorded one's)."""
+    from flashkernel import interface
+
+    stub = stub_native[1]
+    replay, _, tensors, scalars, window = _stub_kvcache_call(monkeypatch, stub_native)
+    replay.run_checked(_launch.LayoutGuard.make(tensors).native(), tensors)  # the stream's buffers made
+    replay._entry = None
+    calls = _launch.CallCache()
+    calls._remember(interface._probe("kvcache", (*scalars, False), window), tensors, replay)
+    assert replay._entry and calls._recent[0][1]._native
+    count = stub.stub_launches()
+    (out,) = calls.native_quick(calls._recent, "kvcache", scalars, window, tensors, True)
+    assert stub.stub_launches() == count + 1 and stub.stub_param(5) - 8 == out.data_ptr()
+
+
 def _stub_replay(monkeypatch, native, stub, sources):
     """A replay (made without a GPU) of one launch taking ``sources``' addresses, whose two
     allocations are a temporary (index 0) and the output (index 1), run through the stub
@@ -1011,12 +1043,7 @@ def test_an_eager_calls_look_up_and_run_are_one_c_call(stub_native, monkeypatch)
     from flashkernel import flash_attn_with_kvcache, interface
 
     native, stub = stub_native
-    replay, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 2, 5, 12, 13])
-    q, k_cache, v_cache = torch.randn(2, 1, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
-    lengths = torch.full((2,), 5, dtype=torch.int32)
-    tensors = (q, k_cache, v_cache, None, None, lengths, *[None] * 6)
-    scalars = (True, None, 0.0, 0, False, None, "auto")
-    window = interface._checks.NO_WINDOW
+    replay, (q, k_cache, v_cache, lengths), tensors, scalars, window = _stub_kvcache_call(monkeypatch, stub_native)
     calls = _launch.CallCache()
     calls._remember(interface._probe("kvcache", (*scalars, False), window), tensors, replay)
     run = calls.native_quick
