@@ -754,6 +754,40 @@ def test_a_remembered_replay_runs_through_eager_run_at_once(stub_native, monkeyp
     assert stub.stub_launches() == count + 1 and stub.stub_param(5) - 8 == out.data_ptr()
 
 
+def test_dense_and_packed_calls_run_a_recent_replay_in_one_c_call(stub_native, monkeypatch):
+    """``flash_attn_func`` and ``flash_attn_varlen_func`` also run a recent replay of their probe
+    through ``eager_run``, without Python's look-up; ALiBi slopes that want a gradient fail the
+    replay's guard, so the call takes Python's path and its warning is given."""
+    from flashkernel import flash_attn_func, flash_attn_varlen_func, interface
+
+    native, stub = stub_native
+    window = interface._checks.NO_WINDOW
+    calls = _launch.CallCache()
+    monkeypatch.setattr(interface, "_EAGER_CALLS", calls)
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    slopes = torch.rand(2)
+    dense = (q, k, v, slopes, None)
+    replay, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 2, 3, 5, 6])
+    calls._remember(interface._probe("fwd", (True, None, 0.0, False, False, "auto"), window), dense, replay)
+    replay.run_checked(calls._recent[0][1].native(), dense)  # the stream's buffers made
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    packed = (q[0], k[0], v[0], cu, cu, None, None)
+    varlen, _ = _stub_replay(monkeypatch, native, stub, [0, 1, 2, 3, 7, 8])
+    calls._remember(interface._probe("varlen", (4, 4, True, None, 0.0, False, False, None, "auto"), window), packed,
+                    varlen)
+    varlen.run_checked(calls._recent[0][1].native(), packed)
+    count = stub.stub_launches()
+    monkeypatch.setattr(interface, "_lookup", lambda *args, **kwargs: pytest.fail("Python's look-up taken"))
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    assert stub.stub_launches() == count + 1 and stub.stub_param(5) - 8 == out.data_ptr()
+    out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4, causal=True)
+    assert stub.stub_launches() == count + 2 and stub.stub_param(5) - 8 == out.data_ptr()
+    wanting = slopes.clone().requires_grad_()
+    assert interface._recent_run("fwd", (True, None, 0.0, False, False, "auto"), window,
+                                 (q, k, v, wanting, None)) is None
+    assert stub.stub_launches() == count + 2
+
+
 def _stub_replay(monkeypatch, native, stub, sources):
     """A replay (made without a GPU) of one launch taking ``sources``' addresses, whose two
     allocations are a temporary (index 0) and the output (index 1), run through the stub

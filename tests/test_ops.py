@@ -191,6 +191,28 @@ def test_dynamic_lengths_compile_once():
     assert frames[1:] == frames[:1] * 3, frames  # compiled for the first length only
 
 
+@pytest.mark.parametrize("call", ["func", "varlen", "kvcache"])
+def test_compiled_calls_do_not_guard_on_the_c_look_up(call, monkeypatch):
+    """A compiled call traces no read of the eager calls' C look-up (``native_quick``), so its
+    appearance after the first compile (the first eager call's replay, on a GPU) recompiles nothing."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, k, v = random_qkv(1, 6, 6, 2, 2, 32, torch.float16)
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=q.device)
+    lengths = torch.tensor([6], dtype=torch.int32, device=q.device)
+    f = {"func": lambda q, k, v: flashkernel.flash_attn_func(q, k, v, causal=True),
+         "varlen": lambda q, k, v: flashkernel.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 6, 6, causal=True),
+         "kvcache": lambda q, k, v: flashkernel.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=lengths)}[call]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    monkeypatch.setattr(interface._EAGER_CALLS, "native_quick", None)
+    compiled(q, k, v)
+    frames = counter.frame_count
+    monkeypatch.setattr(interface._EAGER_CALLS, "native_quick", lambda *args: NotImplemented)
+    compiled(q, k, v)
+    assert counter.frame_count == frames
+
+
 # ---- autograd boundary --------------------------------------------------------------------------
 
 

@@ -84,6 +84,21 @@ def _lookup(name: str, scalars: tuple, window_size, tensors, by_capture: bool = 
     return _replay(key, probe, tensors), probe, key
 
 
+def _recent_run(name: str, scalars: tuple, window_size, tensors, by_capture: bool = False):
+    """The outputs of this call run by a recent replay in one call into the C launcher
+    (``eager_run``: :func:`_lookup`'s first step, the look-up among ``CallCache.quick``'s replays,
+    and the run), or None where Python's path has a step to take (no C launcher, no such replay,
+    a guard that turns the tensors away, a differentiation mode active, torch.compile tracing).
+    The caller's differentiation-mode check may follow: the C call leaves active modes to it."""
+    if torch.compiler.is_compiling():  # first: a traced read of native_quick would guard on it
+        return None
+    quick_run = _EAGER_CALLS.native_quick
+    if quick_run is None:
+        return None
+    results = quick_run(_EAGER_CALLS._recent, name, scalars, window_size, tensors, by_capture)
+    return None if results is NotImplemented else results
+
+
 def _replay(key, probe, tensors):
     """The outputs of a replayed earlier call of the same key, or None (no such call, no key, or
     a key that cannot be hashed)."""
@@ -275,11 +290,15 @@ def flash_attn_func(
         >>> out = flash_attn_func(q, k, v, causal=True)        # [2, 1024, 32, 128]
     """
     tensors = (q, k, v, alibi_slopes, sinks)
+    probe_scalars = (causal, softmax_scale, softcap, return_lse, deterministic, backend)
+    # (slopes that want a gradient fail a replay's guard: their warning below is not skipped)
+    results = _recent_run("fwd", probe_scalars, window_size, tensors)
+    if results is not None:
+        return results if return_lse else results[0]
     ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_func")
     if alibi_slopes is not None:
         _warn_if_slopes_want_grad(alibi_slopes)
-    results, probe, key = _lookup("fwd", (causal, softmax_scale, softcap, return_lse, deterministic, backend),
-                                  window_size, tensors)
+    results, probe, key = _lookup("fwd", probe_scalars, window_size, tensors)
     if results is not None:
         return results if return_lse else results[0]
     scale = _validate_dense(q, k, v, causal, softmax_scale, return_lse)
@@ -366,13 +385,18 @@ def flash_attn_varlen_func(
         >>> out = flash_attn_varlen_func(q, k, torch.randn_like(k), cu, cu, 300, 300, causal=True)
     """
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    probe_scalars = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap, return_lse, deterministic, validate,
+                     backend)
+    if validate is not True:  # (as flash_attn_func's)
+        results = _recent_run("varlen", probe_scalars, window_size, tensors)
+        if results is not None:
+            return results if return_lse else results[0]
     ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_varlen_func")
     if alibi_slopes is not None:
         _warn_if_slopes_want_grad(alibi_slopes)
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call
-        results, probe, key = _lookup("varlen", (max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap,
-                                                 return_lse, deterministic, validate, backend), window_size, tensors)
+        results, probe, key = _lookup("varlen", probe_scalars, window_size, tensors)
         if results is not None:
             return results if return_lse else results[0]
     interpreted = kernels_interpreted()
@@ -608,13 +632,10 @@ def flash_attn_with_kvcache(
     # quantized cache never replays the launches of a call over another format or granularity.
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
                v_scale)
-    quick_run = _EAGER_CALLS.native_quick
-    if quick_run is not None and validate is not True and not torch.compiler.is_compiling():
-        # a recent replay's look-up and run in one C call (_lookup's first step; it checks the
-        # differentiation modes as the line below does, leaving them to it when active)
-        results = quick_run(_EAGER_CALLS._recent, "kvcache", (causal, softmax_scale, softcap, num_splits, return_lse,
-                                                              validate, backend), window_size, tensors, True)
-        if results is not NotImplemented:
+    if validate is not True:
+        results = _recent_run("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend),
+                              window_size, tensors, by_capture=True)
+        if results is not None:
             return results if return_lse else results[0]
     ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_with_kvcache")
     probe = key = None
