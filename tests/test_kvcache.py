@@ -452,8 +452,12 @@ def test_configs_fit_the_work_per_program():
     # B=96, 1k: 768 programs, more than four per SM: three programs per SM.
     assert fit(table, tokens_per_program=1024, grid=768, page_size=0) == tuned.multi_wave_config
     assert fit(table, tokens_per_program=1024, grid=4 * 132 + 1, page_size=0) == tuned.multi_wave_config
-    # B=48, 1k: 384 programs, held at once by the multi-wave tile.
+    # B=48, 1k: 384 programs (up to 396), held at once by the multi-wave tile.
     assert fit(table, tokens_per_program=1024, grid=3 * 132, page_size=0) == tuned.multi_wave_config
+    # Taller row tiles (several new tokens per GQA group) hold more registers: not measured, the
+    # multi-wave rule only.
+    assert fit(table, tokens_per_program=1024, grid=512, page_size=0, block_m=32) == tuned.multi_wave_config
+    assert fit(table, tokens_per_program=4096, grid=512, page_size=0, block_m=64) == table
     assert fit(table, tokens_per_program=4096, grid=768, page_size=0) == table
     # Large pages: the multi-wave rule only.
     assert fit(table, tokens_per_program=1024, grid=512, page_size=256) == tuned.multi_wave_config
@@ -1022,8 +1026,9 @@ def test_long_contexts_gpu(page_size, decode_backend):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_batch_64_gpu(page_size, dtype):
-    """Batch 64 x 8 KV heads of 128: 512 programs, which a 132-SM GPU runs in one wave of
-    ``one_wave_config`` tiles (fit_config); ragged lengths from 0 to 2k."""
+    """Batch 64 x 8 KV heads of 128: 512 programs, which a 132-SM GPU (the H200) runs in one wave
+    of ``one_wave_config`` tiles (fit_config; the plan is checked on the CPU by
+    ``test_planned_decode_takes_the_resident_tiles_for_batch_64``); ragged lengths from 0 to 2k."""
     lengths = [0, 1, 2047] + torch.randint(0, 2048, (61,)).tolist()
     run_and_check(lengths, 1, (32, 8), 128, dtype, page_size)
     run_and_check(lengths, 2, (32, 8), 128, dtype, page_size, append=False)

@@ -757,7 +757,7 @@ def test_a_remembered_replay_runs_through_eager_run_at_once(stub_native, monkeyp
 def test_dense_and_packed_calls_run_a_recent_replay_in_one_c_call(stub_native, monkeypatch):
     """``flash_attn_func`` and ``flash_attn_varlen_func`` also run a recent replay of their probe
     through ``eager_run``, without Python's look-up; ALiBi slopes that want a gradient fail the
-    replay's guard, so the call takes Python's path and its warning is given."""
+    replay's guard (``_recent_run`` answers None: the call takes Python's path, which warns)."""
     from flashkernel import flash_attn_func, flash_attn_varlen_func, interface
 
     native, stub = stub_native

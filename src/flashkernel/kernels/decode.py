@@ -949,11 +949,12 @@ def pick_config(head_dim: int, dtype: torch.dtype, interpreted: bool, page_size:
 @functools.lru_cache(maxsize=1024)
 def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: int, page_size: int,
                head_dim: int, waves: int = 1, tuned: DecodeTuning | None = None,
-               kv_scale: int = 0) -> DecodeConfig:
+               kv_scale: int = 0, block_m: int = 16) -> DecodeConfig:
     """The table's ``config`` adjusted to how much each program reads (head dims <= 128 only,
     the ones measured): short splits get short tiles; grids of more than the planned ``waves``
     of programs (the batch alone fills the GPU) get, when the programs are short (or the pages
-    small), a config that fits three programs per SM.
+    small), a config that fits three programs per SM, or four (last paragraph). ``block_m``: the
+    programs' row-tile height (:func:`pick_block_m`).
 
     Over a 1-byte cache at head dims padded to 128 (72-128; ``kv_scale`` 1: scales per tensor
     or KV head, 2: per token, :func:`scale_args`) that last config, a bf16 tile of 32 keys,
@@ -968,13 +969,15 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
     128-key tiles beat 32-key ones at batch 48 x 1k, 128 x 1k and 256 x 4k with either scale
     (``kvquant-largegrid-sweep.json``).
 
-    Over a cache in q's dtype at head dims padded to 128, contiguous or in small pages, a grid
-    of more than the three programs per SM that ``multi_wave_config`` (32-key tiles, 4 stages,
-    64 KB) holds at once and at most the four that ``one_wave_config`` (3 stages, 48 KB) holds
-    gets the latter, however long its programs: all of them run at once instead of a second,
-    mostly idle wave. Measured at batch 64 (graph replays, 32 / 8 heads, one host): 1k 67.9 ->
-    66.5 us, 2k 128.8 -> 126.8, 4k 247.8 -> 246.2 contiguous (it had 128-key tiles), pages of 16
-    1-2.6% less; 3 stages lost where they do not fit at once (batch 96 x 1k: 126 against 106 us)."""
+    Over a cache in q's dtype at head dims padded to 128, contiguous or in small pages, with
+    row tiles of 16 (one new token per GQA group of up to 16: taller tiles hold more registers,
+    so fewer programs per SM), a grid of more than the three programs per SM that
+    ``multi_wave_config`` (32-key tiles, 4 stages, 64 KB) holds at once and at most the four
+    that ``one_wave_config`` (3 stages, 48 KB) holds gets the latter, however long its programs
+    (measured up to 4k keys each): all of them run at once instead of a second, mostly idle
+    wave. Measured at batch 64 (graph replays, 32 / 8 heads, one host): 1k 67.9 -> 66.5 us, 2k
+    128.8 -> 126.8, 4k 247.8 -> 246.2 contiguous (it had 128-key tiles), pages of 16 1-2.6% less;
+    3 stages lost where they do not fit at once (batch 96 x 1k: 126 against 106 us)."""
     tuned = tuned or tuning.decode_tuning(None)
     if padded_head_dim(head_dim) > 128:
         return config
@@ -984,7 +987,7 @@ def fit_config(config: DecodeConfig, tokens_per_program: int, grid: int, sms: in
             and tuned.quantized_resident_programs_per_sm * sms < grid
             <= tuned.quantized_multi_wave_resident_programs_per_sm * sms):
         return tuned.quantized_multi_wave_config
-    if (kv_scale == 0 and padded_head_dim(head_dim) == 128 and (page_size == 0 or small_pages)
+    if (kv_scale == 0 and padded_head_dim(head_dim) == 128 and block_m == 16 and (page_size == 0 or small_pages)
             and tuned.multi_wave_resident_programs_per_sm * sms < grid
             <= tuned.one_wave_resident_programs_per_sm * sms):
         return tuned.one_wave_config
@@ -1183,7 +1186,7 @@ def plan_decode(q: torch.Tensor, num_kv_heads: int, geometry: CacheGeometry, var
     if short_rules:
         config = fit_config(config, cdiv(span, num_splits), programs * num_splits, sms, geometry.page_size,
                             head_dim, waves_for(geometry.page_size, programs, span, sms, tuned, quantized), tuned,
-                            kv_scale)
+                            kv_scale, block_m)
     capturing = q.is_cuda and not interpreted and torch.cuda.is_current_stream_capturing()
     merge = merges_in_kernel(num_splits, batch * num_kv_heads * head_dim * q.element_size(), span, tuned, capturing,
                              quantized)

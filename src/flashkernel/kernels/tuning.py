@@ -248,10 +248,11 @@ class DecodeTuning:
     their splits in the decode kernel (``decode.merges_in_kernel``); splits of at
     most ``short_split_tokens`` keys use ``short_block_n``-key tiles; grids of more than a wave
     whose programs read at most ``multi_wave_max_tokens`` keys (or read small pages) use
-    ``multi_wave_config``; at head dims padded to 128, contiguous or in small pages, grids of
-    more than ``multi_wave_resident_programs_per_sm`` (what ``multi_wave_config`` holds at once)
-    and at most ``one_wave_resident_programs_per_sm`` programs per SM use ``one_wave_config``
-    whatever their programs read, except over 1-byte caches, where grids of
+    ``multi_wave_config``; at head dims padded to 128, contiguous or in small pages, with row
+    tiles of 16, grids of more than ``multi_wave_resident_programs_per_sm`` (what
+    ``multi_wave_config`` holds at once) and at most ``one_wave_resident_programs_per_sm``
+    programs per SM use ``one_wave_config`` whatever their programs read, except over 1-byte
+    caches, where grids of
     more than ``quantized_resident_programs_per_sm`` and at most
     ``quantized_multi_wave_resident_programs_per_sm`` programs per SM use
     ``quantized_multi_wave_config`` (scales per tensor or head, contiguous or small pages) and
