@@ -632,16 +632,15 @@ def flash_attn_with_kvcache(
     # quantized cache never replays the launches of a call over another format or granularity.
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, k_scale,
                v_scale)
+    probe_scalars = (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend)
     if validate is not True:
-        results = _recent_run("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate, backend),
-                              window_size, tensors, by_capture=True)
+        results = _recent_run("kvcache", probe_scalars, window_size, tensors, by_capture=True)
         if results is not None:
             return results if return_lse else results[0]
     ops.check_differentiation_modes(tensors, "flashkernel.flash_attn_with_kvcache")
     probe = key = None
     if validate is not True:  # else the values are read and checked at every call
-        results, probe, key = _lookup("kvcache", (causal, softmax_scale, softcap, num_splits, return_lse, validate,
-                                                  backend), window_size, tensors, by_capture=True)
+        results, probe, key = _lookup("kvcache", probe_scalars, window_size, tensors, by_capture=True)
         if results is None and key is not None:
             results = _rebound_length(key, probe, tensors, causal, softmax_scale, window_size, softcap, num_splits,
                                       return_lse, backend)

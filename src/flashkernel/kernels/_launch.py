@@ -882,16 +882,17 @@ class CallCache:
             entry = self._entries[made] = (probe, LayoutGuard.make(inputs), replay, shapes)
         if entry[1] is None:  # no guard can be made: quick never serves it
             return
-        if self.native_quick is None and replay.native is not None:
-            native = native_runs()
-            self.native_quick = None if native is None else native.eager_run
-        if self.native_quick is not None and replay.native is not None:
-            # eager_run runs a replay only through its guard's and its own C forms: made now, else
-            # the next call (a decode step's second layer, after the first rebound a replay to
-            # the cache's new length) would take Python's path to make them
-            entry[1].native()
-            if replay._entry is None:
-                replay._native_entry()
+        if replay.native is not None:
+            if self.native_quick is None:
+                native = native_runs()
+                self.native_quick = None if native is None else native.eager_run
+            if self.native_quick is not None:
+                # eager_run runs a replay only through its guard's and its own C forms: made now,
+                # else the next call (a decode step's second layer, after the first rebound a
+                # replay to the cache's new length) would take Python's path to make them
+                entry[1].native()
+                if replay._entry is None:
+                    replay._native_entry()
         if entry[3] is not None:
             try:
                 self._by_shapes[entry[0], entry[3]] = entry
